@@ -1,0 +1,174 @@
+"""Hybrid-parallel layouts and the DeviceMesh built from them.
+
+A :class:`HybridLayout` names four degrees: ``dp_replicate`` (HSDP replicas), ``dp_shard`` (FSDP2 sharding),
+``tp`` (tensor parallel) and ``pp`` (pipeline stages). Invariants:
+
+* a *resolved* layout has every degree >= 1 and their product equals the world size;
+* at most one degree is ``-1`` before resolution, meaning "whatever is left of the world";
+* the mesh axes are always laid out in the order ``pp, dp_replicate, dp_shard, tp`` (tp innermost, so
+  tensor-parallel peers are neighbouring ranks, i.e. on the same node), and every axis exists even when its
+  degree is 1, so geometry code can treat every layout alike;
+* the flattened data-parallel axis ``dp`` (``dp_replicate x dp_shard``) is what the sampler and the loss use.
+
+Vocabulary: an *axis* is a mesh axis, a *dim* is a tensor dimension.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+class MeshAxis(str, enum.Enum):
+    """Names of the mesh axes; ``DP`` is the flattened ``DP_REPLICATE x DP_SHARD`` axis."""
+
+    PP = "pp"
+    DP_REPLICATE = "dp_replicate"
+    DP_SHARD = "dp_shard"
+    TP = "tp"
+    DP = "dp"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: Order of the axes of every mesh we build (outermost first).
+MESH_AXIS_ORDER: tuple[MeshAxis, ...] = (MeshAxis.PP, MeshAxis.DP_REPLICATE, MeshAxis.DP_SHARD, MeshAxis.TP)
+
+
+class LayoutError(ValueError):
+    """A layout that cannot be used for the given world or model."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HybridLayout:
+    """Degrees of a hybrid-parallel layout.
+
+    Example: ``HybridLayout(dp_shard=-1, tp=2).resolve(8)`` is ``dp_shard=4, tp=2``.
+    """
+
+    dp_replicate: int = 1
+    """Number of replicas of the sharded model (HSDP outer axis)."""
+    dp_shard: int = -1
+    """Number of ranks each parameter is sharded over by FSDP2; ``-1`` fills the rest of the world."""
+    tp: int = 1
+    """Tensor-parallel degree; must divide attention heads, kv heads and the FFN width."""
+    pp: int = 1
+    """Pipeline-parallel stages; must not exceed the number of blocks."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise LayoutError(f"layout degree {f.name} must be an int, got {value!r}")
+            if value == 0 or value < -1:
+                raise LayoutError(f"layout degree {f.name}={value} must be a positive integer or -1 (the rest)")
+        free = [f.name for f in fields(self) if getattr(self, f.name) == -1]
+        if len(free) > 1:
+            raise LayoutError(f"at most one layout degree may be -1 (the rest of the world), got {free}")
+
+    # ------------------------------------------------------------------ degrees
+    @property
+    def is_resolved(self) -> bool:
+        return all(getattr(self, f.name) > 0 for f in fields(self))
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree (replicas x shards): how many different micro-batches run at once."""
+        self._require_resolved()
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        self._require_resolved()
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """Sizes of the mesh axes in :data:`MESH_AXIS_ORDER`."""
+        self._require_resolved()
+        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+
+    def degree(self, axis: MeshAxis) -> int:
+        if axis is MeshAxis.DP:
+            return self.dp
+        return getattr(self, axis.value)
+
+    def _require_resolved(self) -> None:
+        if not self.is_resolved:
+            raise LayoutError(f"{self} still has a -1 degree; call .resolve(world_size) first")
+
+    # --------------------------------------------------------------- resolution
+    def resolve(self, world_size: int) -> HybridLayout:
+        """Fill the ``-1`` degree from ``world_size`` and check that the product matches it."""
+        if world_size < 1:
+            raise LayoutError(f"world size must be >= 1, got {world_size}")
+        known = math.prod(v for v in (self.dp_replicate, self.dp_shard, self.tp, self.pp) if v > 0)
+        free = [f.name for f in fields(self) if getattr(self, f.name) == -1]
+        if free:
+            if world_size % known:
+                raise LayoutError(
+                    f"cannot fill {free[0]}=-1: the other degrees multiply to {known}, "
+                    f"which does not divide the world size {world_size}"
+                )
+            return replace(self, **{free[0]: world_size // known})
+        if known != world_size:
+            raise LayoutError(
+                f"layout {self.describe()} multiplies to {known} but the world size is {world_size}; "
+                "change a degree or set one of them to -1"
+            )
+        return self
+
+    def validate_for_model(self, *, n_heads: int, n_kv_heads: int, ffn_hidden: int, n_layers: int) -> None:
+        """Raise :class:`LayoutError` when the model cannot be split this way."""
+        for name, size in (("attention heads", n_heads), ("kv heads", n_kv_heads), ("FFN width", ffn_hidden)):
+            if self.tp > 0 and size % self.tp:
+                raise LayoutError(f"tp={self.tp} does not divide the model's {name} ({size}); pick a tp that does")
+        if self.pp > n_layers:
+            raise LayoutError(f"pp={self.pp} is larger than the number of blocks ({n_layers})")
+
+    def describe(self) -> str:
+        return f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} pp={self.pp}"
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutMesh:
+    """The DeviceMesh of a layout plus its flattened data-parallel sub-mesh.
+
+    torch wants callers to keep a flattened mesh themselves rather than slice it back out of the root, so the
+    ``dp`` sub-mesh is kept here. ``layout_mesh[MeshAxis.TP]`` returns the 1-D sub-mesh of any axis.
+    """
+
+    layout: HybridLayout
+    root: DeviceMesh
+    dp: DeviceMesh
+
+    def __getitem__(self, axis: MeshAxis | str) -> DeviceMesh:
+        axis = MeshAxis(axis)
+        if axis is MeshAxis.DP:
+            return self.dp
+        return self.root[axis.value]
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel ranks (which micro-batches it reads)."""
+        return self.dp.get_local_rank()
+
+
+def build_mesh(layout: HybridLayout, device_type: str) -> LayoutMesh:
+    """Build the 4-axis DeviceMesh (and its flattened ``dp`` axis) for a resolved layout."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    layout._require_resolved()
+    names = tuple(axis.value for axis in MESH_AXIS_ORDER)
+    root = init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=names)
+    dp = root[(MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value)]._flatten(MeshAxis.DP.value)
+    return LayoutMesh(layout=layout, root=root, dp=dp)

@@ -1,0 +1,123 @@
+"""Run a function on N local processes under a real torch.distributed process group.
+
+One harness for every multi-process test: gloo on CPU, NCCL when ``backend="nccl"`` and GPUs exist. Each
+worker initialises the default group with an explicit timeout, runs ``fn(rank, world_size, *args)``, and sends
+back its return value (which must pickle). The parent waits with a deadline, kills every worker by pid when it
+passes, and re-raises the first worker failure with that worker's traceback, so a hung collective is a test
+failure, never a hung suite.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process raised, died, or did not finish in time."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    pg_timeout_s: float,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
+        )
+        value = fn(rank, world_size, *args)
+        results.put((rank, True, value))
+    except BaseException:  # report everything, including assertion errors, to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float = 120.0,
+    pg_timeout_s: float = 60.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return results by rank.
+
+    ``fn`` must be importable by name (a module-level function), as spawned children re-import it.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(rank, world_size, port, backend, pg_timeout_s, fn, args, results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        return _collect(procs, results, world_size, timeout_s)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=10)
+
+
+def _collect(procs: list[Any], results: Any, world_size: int, timeout_s: float) -> list[Any]:
+    import queue
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    values: dict[int, Any] = {}
+    while len(values) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = sorted(set(range(world_size)) - set(values))
+            raise WorkerFailed(f"ranks {missing} did not finish within {timeout_s:.0f}s")
+        try:
+            rank, ok, value = results.get(timeout=min(remaining, 1.0))
+        except queue.Empty:
+            dead = [i for i, p in enumerate(procs) if i not in values and p.exitcode not in (None, 0)]
+            if dead:
+                raise WorkerFailed(f"ranks {dead} died (exit codes {[procs[i].exitcode for i in dead]})") from None
+            continue
+        if not ok:
+            raise WorkerFailed(f"rank {rank} failed:\n{value}")
+        values[rank] = value
+    return [values[rank] for rank in range(world_size)]
