@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: $(STAMP)
-	$(PY) -m lightning_emig.demo
+	$(PY) -m lightning_emig.train recipe=tiny_cpu
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

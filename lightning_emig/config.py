@@ -1,0 +1,116 @@
+"""Structured configuration of a training run (the schema behind ``conf/`` and ``recipes/``).
+
+Every section is a dataclass registered with Hydra's ConfigStore as the base of the primary config, so an
+unknown key anywhere (``layout.tpp=2``) is an error, never silently dropped. Values are validated where they
+are used (``HybridLayout``, ``BatchPlan``, ``OptimConfig``), each with a message that says what to change.
+
+This module keeps ``typing.Optional`` (not ``X | None``) because OmegaConf reads these annotations at run time.
+"""
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional  # noqa: UP035
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from lightning_emig.training.optim import OptimConfig
+
+
+@dataclass(kw_only=True)
+class ModelSection:
+    size: str = "tiny"
+    """A name from ``lightning_emig.models.llama.MODEL_SIZES``."""
+
+
+@dataclass(kw_only=True)
+class LayoutSection:
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    pp: int = 1
+
+
+@dataclass(kw_only=True)
+class DataSection:
+    source: str = "stdlib"
+    """``stdlib`` (byte-level Python standard library sources, offline) or ``synthetic``."""
+    seq_len: int = 128
+    max_bytes: Optional[int] = 8_000_000  # noqa: UP045
+    """Cap on the corpus size (None = the whole standard library)."""
+    synthetic_samples: int = 4096
+    seed: int = 0
+    """Seed of the per-epoch permutation."""
+    cache_dir: Optional[str] = None  # noqa: UP045
+
+
+@dataclass(kw_only=True)
+class TrainerSection:
+    accelerator: str = "cpu"
+    devices: Optional[int] = None  # noqa: UP045
+    """Processes per node; None = torchrun's LOCAL_WORLD_SIZE when launched by torchrun, else 1."""
+    num_nodes: Optional[int] = None  # noqa: UP045
+    """None = derived from torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE, else 1."""
+    max_steps: int = 50
+    global_batch_size: int = 16
+    micro_batch_size: int = 4
+    checkpoint_every_n_steps: int = 0
+    """Save a sharded DCP checkpoint every N optimizer steps (0 = only at the end)."""
+    precision: str = "32-true"
+    seed: int = 0
+    pg_timeout_s: int = 600
+    """Timeout of every collective; gloo cannot abort, so a dead peer must surface as a timeout."""
+    progress_bar: bool = True
+
+
+@dataclass(kw_only=True)
+class LoggerSection:
+    kind: str = "csv"
+    """``csv`` or ``wandb`` (rank 0 only; offline unless ``wandb_mode=online``)."""
+    wandb_project: str = "lightning-emig"
+    wandb_mode: str = "offline"
+
+
+@dataclass(kw_only=True)
+class RunSection:
+    resume: Optional[str] = None  # noqa: UP045
+    """``last`` (the newest checkpoint in the run directory) or a checkpoint path."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    layout: LayoutSection = field(default_factory=LayoutSection)
+    data: DataSection = field(default_factory=DataSection)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    logger: LoggerSection = field(default_factory=LoggerSection)
+    run: RunSection = field(default_factory=RunSection)
+
+
+def run_id() -> str:
+    """A run name every rank agrees on without communicating.
+
+    torchrun gives all workers the same ``TORCHELASTIC_RUN_ID``; Lightning's own launcher passes the parent's
+    Hydra output dir to its children. Otherwise (one process) a timestamp is unique enough. Each rank calling
+    ``now`` separately would give every rank its own directory: the Hydra + multi-process pitfall.
+    """
+    explicit = os.environ.get("LIGHTNING_EMIG_RUN_ID")
+    if explicit:
+        return explicit
+    torchrun_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if torchrun_id:
+        return f"torchrun-{torchrun_id}"
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def register_configs() -> None:
+    """Register the schema and the run-id resolver (idempotent)."""
+    if not OmegaConf.has_resolver("emig_run_id"):
+        OmegaConf.register_new_resolver("emig_run_id", run_id, use_cache=True)
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def to_container(cfg: Any) -> dict[str, Any]:
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]

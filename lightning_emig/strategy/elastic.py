@@ -1,0 +1,196 @@
+"""``ElasticMigrationStrategy``: Lightning's model-parallel machinery driven by a :class:`HybridLayout`.
+
+What the strategy owns, and nothing more (elasticity stays inside this boundary, never in the loops):
+
+* the layout, resolved against the world size, and its 4-axis DeviceMesh (available to
+  ``LightningModule.configure_model`` as ``self.device_mesh`` and, with the flattened data-parallel axis,
+  as ``self.trainer.strategy.layout_mesh``);
+* the batch arithmetic (one :class:`BatchPlan`): gradient accumulation is derived from the global batch, the
+  micro batch and the data-parallel degree, and written into the Trainer so users never set it by hand;
+* the data position: a :class:`MicroBatchLoader` is told this rank's data-parallel coordinate, and its committed
+  global offset advances by one global batch after every optimizer step;
+* sharded PyTorch Distributed Checkpoints (model, optimizer, scheduler, data offset, loop counters, RNG) that
+  load under any other layout (resharding on load).
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.strategies import ModelParallelStrategy
+from typing_extensions import override
+
+from lightning_emig.data.batching import BatchPlan
+from lightning_emig.data.loader import MicroBatchLoader
+from lightning_emig.layout import HybridLayout, LayoutMesh, build_mesh
+from lightning_emig.strategy.rng import gather_rng_states, restore_rng_for_rank
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.fabric.utilities.types import _PATH
+    from torch.optim import Optimizer
+
+log = logging.getLogger(__name__)
+
+#: Key of our own section in Lightning's checkpoint dict (saved by rank 0 beside the sharded tensors).
+CHECKPOINT_KEY = "lightning_emig"
+
+
+class ElasticMigrationStrategy(ModelParallelStrategy):
+    """Train under any hybrid layout (HSDP x FSDP2 x TP) with a fixed global batch.
+
+    Args:
+        layout: The hybrid layout; ``-1`` in one degree fills the rest of the world. A dict is accepted too.
+        global_batch_size: Samples per optimizer step, the same whatever the layout.
+        micro_batch_size: Samples per forward/backward on one data-parallel rank.
+        process_group_backend: ``gloo`` or ``nccl``; by default nccl on CUDA and gloo on CPU.
+        timeout: Timeout of every collective (gloo has no abort; a dead peer must surface as an error).
+        seed: Seed used to re-derive RNG states for ranks that have no saved state after a world change.
+    """
+
+    def __init__(
+        self,
+        layout: HybridLayout | dict[str, int] | None = None,
+        *,
+        global_batch_size: int,
+        micro_batch_size: int,
+        process_group_backend: str | None = None,
+        timeout: timedelta = timedelta(minutes=10),
+        seed: int = 0,
+    ) -> None:
+        super().__init__(
+            data_parallel_size=1,
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=True,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        if isinstance(layout, dict):
+            layout = HybridLayout(**layout)
+        self._requested_layout = layout or HybridLayout()
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.seed = seed
+        self._layout_mesh: LayoutMesh | None = None
+        self._batch_plan: BatchPlan | None = None
+        self._loaders: list[MicroBatchLoader] = []
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def layout(self) -> HybridLayout:
+        return self.layout_mesh.layout
+
+    @property
+    def layout_mesh(self) -> LayoutMesh:
+        if self._layout_mesh is None:
+            raise RuntimeError("the layout mesh exists once processes are initialised (from configure_model on)")
+        return self._layout_mesh
+
+    @property
+    def batch_plan(self) -> BatchPlan:
+        if self._batch_plan is None:
+            raise RuntimeError("the batch plan exists once the layout is resolved (from configure_model on)")
+        return self._batch_plan
+
+    @override
+    def setup_environment(self) -> None:
+        # Skip ModelParallelStrategy's 2-D mesh: ours is built from the layout.
+        self._setup_distributed()
+        layout = self._requested_layout.resolve(self.world_size)
+        self._layout_mesh = build_mesh(layout, self.root_device.type)
+        self._device_mesh = self._layout_mesh.root
+        self._batch_plan = BatchPlan(
+            global_batch_size=self.global_batch_size,
+            micro_batch_size=self.micro_batch_size,
+            dp_degree=layout.dp,
+        )
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+        if self.global_rank == 0:
+            log.info("layout %s on %d processes; %s", layout.describe(), self.world_size, self._batch_plan.describe())
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        self._apply_gradient_accumulation(trainer)
+        super().setup(trainer)
+
+    def _apply_gradient_accumulation(self, trainer: pl.Trainer) -> None:
+        requested = trainer.accumulate_grad_batches
+        derived = self.batch_plan.grad_accumulation
+        if requested not in (1, derived):
+            raise ValueError(
+                f"Trainer(accumulate_grad_batches={requested}) conflicts with the strategy's batch plan "
+                f"({self.batch_plan.describe()}); leave accumulate_grad_batches unset, the strategy derives it"
+            )
+        trainer.accumulate_grad_batches = derived
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.layout.dp, "rank": self.layout_mesh.dp_rank}
+
+    # -------------------------------------------------------------------- data
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        if isinstance(dataloader, MicroBatchLoader):
+            self._attach_loader(dataloader)
+        return dataloader
+
+    def _attach_loader(self, loader: MicroBatchLoader) -> None:
+        stream = loader.stream
+        if stream.sampler.global_batch_size != self.global_batch_size:
+            raise ValueError(
+                f"the data stream uses global_batch_size={stream.sampler.global_batch_size} but the strategy "
+                f"uses {self.global_batch_size}; build both from the same value"
+            )
+        if stream.micro_batch_size != self.micro_batch_size:
+            raise ValueError(
+                f"the data stream uses micro_batch_size={stream.micro_batch_size} but the strategy "
+                f"uses {self.micro_batch_size}; build both from the same value"
+            )
+        stream.set_topology(self.layout.dp, self.layout_mesh.dp_rank)
+        if loader not in self._loaders:
+            self._loaders.append(loader)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        # One optimizer step consumed one global batch, whatever the layout.
+        for loader in self._loaders:
+            loader.stream.commit_step()
+        return output
+
+    # -------------------------------------------------------------- checkpoint
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
+        checkpoint[CHECKPOINT_KEY] = {
+            "layout": self.layout.as_dict(),
+            "world_size": self.world_size,
+            "rng_states": gather_rng_states(),
+        }
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        # RNG states are pickled Python objects (per rank), so the metadata cannot be weights_only.
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=False)
+        saved = checkpoint.get(CHECKPOINT_KEY, {})
+        if saved and self.global_rank == 0:
+            old = HybridLayout(**saved["layout"])
+            if old != self.layout:
+                log.warning(
+                    "resuming a checkpoint saved under %s on %d processes into %s on %d: resharded on load",
+                    old.describe(), saved["world_size"], self.layout.describe(), self.world_size,
+                )
+        restore_rng_for_rank(
+            saved.get("rng_states"), self.global_rank, seed=self.seed, step=checkpoint.get("global_step", 0)
+        )
+        return checkpoint
+
+    @override
+    def teardown(self) -> None:
+        self._loaders.clear()
+        super().teardown()
+

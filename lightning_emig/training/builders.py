@@ -1,0 +1,157 @@
+"""Turn a :class:`TrainConfig` into the Lightning objects of a run: data, module, strategy, loggers, Trainer.
+
+Kept apart from the Hydra entry point so tests and benchmarks build exactly what ``train.py`` builds.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, Logger
+
+from lightning_emig.config import TrainConfig
+from lightning_emig.data.corpus import ensure_stdlib_corpus
+from lightning_emig.data.datasets import ByteCorpusDataset, SyntheticDataset
+from lightning_emig.data.loader import MicroBatchLoader
+from lightning_emig.data.sampler import GlobalOffsetSampler
+from lightning_emig.data.stream import MicroBatchStream
+from lightning_emig.layout import HybridLayout
+from lightning_emig.strategy import ElasticMigrationStrategy
+from lightning_emig.training.module import LlamaLightningModule
+from lightning_emig.training.optim import OptimConfig
+
+
+@dataclass(slots=True)
+class RunParts:
+    trainer: pl.Trainer
+    module: LlamaLightningModule
+    loader: MicroBatchLoader
+    strategy: ElasticMigrationStrategy
+    run_dir: Path
+
+
+def build_dataset(cfg: TrainConfig) -> Any:
+    data = cfg.data
+    if data.source == "stdlib":
+        path = ensure_stdlib_corpus(cache_dir=data.cache_dir, max_bytes=data.max_bytes)
+        return ByteCorpusDataset(path, data.seq_len)
+    if data.source == "synthetic":
+        return SyntheticDataset(data.synthetic_samples, data.seq_len, seed=data.seed)
+    raise ValueError(f"data.source must be 'stdlib' or 'synthetic', got {data.source!r}")
+
+
+def build_loader(cfg: TrainConfig) -> MicroBatchLoader:
+    dataset = build_dataset(cfg)
+    sampler = GlobalOffsetSampler(len(dataset), cfg.trainer.global_batch_size, seed=cfg.data.seed)
+    return MicroBatchLoader(MicroBatchStream(dataset, sampler, cfg.trainer.micro_batch_size))
+
+
+def build_strategy(cfg: TrainConfig) -> ElasticMigrationStrategy:
+    return ElasticMigrationStrategy(
+        layout=HybridLayout(**_section_dict(cfg.layout)),
+        global_batch_size=cfg.trainer.global_batch_size,
+        micro_batch_size=cfg.trainer.micro_batch_size,
+        timeout=timedelta(seconds=cfg.trainer.pg_timeout_s),
+        seed=cfg.trainer.seed,
+    )
+
+
+def build_loggers(cfg: TrainConfig, run_dir: Path) -> list[Logger]:
+    loggers: list[Logger] = [CSVLogger(save_dir=str(run_dir), name="csv", version="")]
+    if cfg.logger.kind == "wandb":
+        from lightning.pytorch.loggers import WandbLogger
+
+        loggers.append(
+            WandbLogger(
+                project=cfg.logger.wandb_project,
+                save_dir=str(run_dir),
+                offline=cfg.logger.wandb_mode == "offline",
+                # One id for the whole job: restarts and generations append to the same run.
+                id=_stable_run_id(run_dir),
+                resume="allow",
+            )
+        )
+    elif cfg.logger.kind != "csv":
+        raise ValueError(f"logger.kind must be 'csv' or 'wandb', got {cfg.logger.kind!r}")
+    return loggers
+
+
+def build_run(cfg: TrainConfig, run_dir: Path) -> RunParts:
+    devices, num_nodes = _process_topology(cfg)
+    strategy = build_strategy(cfg)
+    module = LlamaLightningModule(
+        model_size=cfg.model.size,
+        optim=OptimConfig(**_section_dict(cfg.optim)),
+        max_steps=cfg.trainer.max_steps,
+        seed=cfg.trainer.seed,
+    )
+    every = cfg.trainer.checkpoint_every_n_steps
+    checkpoint = ModelCheckpoint(
+        dirpath=str(run_dir / "checkpoints"),
+        filename="step{step:06d}",
+        auto_insert_metric_name=False,
+        every_n_train_steps=every if every > 0 else None,
+        save_top_k=-1,
+        save_last=True,
+    )
+    trainer = pl.Trainer(
+        accelerator=cfg.trainer.accelerator,
+        devices=devices,
+        num_nodes=num_nodes,
+        strategy=strategy,
+        precision=cfg.trainer.precision,  # type: ignore[arg-type]
+        max_steps=cfg.trainer.max_steps,
+        logger=build_loggers(cfg, run_dir),
+        callbacks=[checkpoint],
+        enable_progress_bar=cfg.trainer.progress_bar,
+        log_every_n_steps=1,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        default_root_dir=str(run_dir),
+    )
+    return RunParts(trainer, module, build_loader(cfg), strategy, run_dir)
+
+
+def resolve_resume(cfg: TrainConfig, run_dir: Path) -> str | None:
+    """``run.resume``: None, ``last`` (newest checkpoint of this run directory, if any) or a path."""
+    resume = cfg.run.resume
+    if resume is None:
+        return None
+    if resume == "last":
+        last = run_dir / "checkpoints" / "last.ckpt"
+        return str(last) if last.exists() else None
+    if not Path(resume).exists():
+        raise FileNotFoundError(f"run.resume={resume!r} does not exist")
+    return resume
+
+
+def _process_topology(cfg: TrainConfig) -> tuple[int, int]:
+    """Processes per node and nodes: from torchrun's environment when it launched us, else from the config."""
+    local_world = os.environ.get("LOCAL_WORLD_SIZE")
+    world = os.environ.get("WORLD_SIZE")
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ and local_world and world
+    devices = cfg.trainer.devices or (int(local_world) if under_torchrun else 1)
+    num_nodes = cfg.trainer.num_nodes or (int(world) // int(local_world) if under_torchrun else 1)
+    return devices, num_nodes
+
+
+def _section_dict(section: Any) -> dict[str, Any]:
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(section, DictConfig):
+        return OmegaConf.to_container(section, resolve=True)  # type: ignore[return-value]
+    from dataclasses import asdict
+
+    return asdict(section)
+
+
+def _stable_run_id(run_dir: Path) -> str:
+    import hashlib
+
+    return hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:12]

@@ -1,0 +1,98 @@
+"""The LightningModule that trains the reference Llama under whatever layout the strategy gives it.
+
+What a module must do to be re-laid-out by the strategy (and this one does):
+* build the model in ``configure_model`` from the mesh it is handed, on the meta device, every time it is
+  called on a fresh module (never keep tensors from a previous layout);
+* initialise deterministically from a seed so the full weights do not depend on the layout;
+* compute the loss as a mean over its micro-batch: the strategy's batch plan and FSDP's gradient averaging
+  turn that into the mean over the global batch.
+
+Logged ``train/loss`` is the global-batch mean for each optimizer step (averaged over accumulation and the
+data-parallel ranks), so curves from different layouts are directly comparable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from typing_extensions import override
+
+from lightning_emig.models.llama import Llama, causal_lm_loss, get_model_config
+from lightning_emig.parallelize import materialize_and_init, parallelize_model
+from lightning_emig.training.optim import OptimConfig, build_adamw, build_warmup_cosine
+
+
+class LlamaLightningModule(pl.LightningModule):
+    """Causal language modelling on byte tokens.
+
+    Args:
+        model_size: A name from ``MODEL_SIZES`` (``tiny``, ``llama_25m``, ...).
+        optim: Optimiser and schedule settings.
+        max_steps: Length of the cosine schedule.
+        seed: Seed of the deterministic initialisation.
+    """
+
+    def __init__(self, model_size: str = "tiny", optim: OptimConfig | None = None, max_steps: int = 100,
+                 seed: int = 0) -> None:
+        super().__init__()
+        self.model_config = get_model_config(model_size)
+        self.optim_config = optim or OptimConfig()
+        self.max_steps = max_steps
+        self.seed = seed
+        self.model: torch.nn.Module | None = None
+        self.step_losses: dict[int, float] = {}
+        """Global-batch mean loss of each optimizer step, keyed by the step index (0-based)."""
+        self._loss_sum: torch.Tensor | None = None
+        self._micro_batches = 0
+
+    @override
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        layout_mesh = self.trainer.strategy.layout_mesh
+        with torch.device("meta"):
+            model = Llama(self.model_config)
+        model = parallelize_model(model, layout_mesh)
+        materialize_and_init(model, self.trainer.strategy.root_device, seed=self.seed)
+        self.model = model
+
+    @override
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        assert self.model is not None, "configure_model has not run"
+        return self.model(tokens)
+
+    @override
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = causal_lm_loss(self(batch["inputs"]), batch["targets"])
+        detached = loss.detach()
+        self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
+        self._micro_batches += 1
+        return loss
+
+    @override
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # Runs once per optimizer step on every rank, after all accumulated backward passes.
+        step_loss = self._global_batch_loss()
+        self.step_losses[self.trainer.global_step] = step_loss
+        self.log("train/loss", step_loss, prog_bar=True, on_step=True, rank_zero_only=True)
+        self.log("trainer/step", float(self.trainer.global_step), on_step=True, rank_zero_only=True)
+
+    def _global_batch_loss(self) -> float:
+        assert self._loss_sum is not None and self._micro_batches > 0
+        mean = self._loss_sum / self._micro_batches
+        if dist.is_initialized():
+            # Tensor-parallel peers hold the same loss; averaging over the dp axis gives the global mean.
+            dp_group = self.trainer.strategy.layout_mesh.dp.get_group()
+            dist.all_reduce(mean, op=dist.ReduceOp.SUM, group=dp_group)
+            mean = mean / dist.get_world_size(dp_group)
+        self._loss_sum, self._micro_batches = None, 0
+        return float(mean)
+
+    @override
+    def configure_optimizers(self) -> Any:
+        optimizer = build_adamw(self.parameters(), self.optim_config)
+        scheduler = build_warmup_cosine(optimizer, self.optim_config, self.max_steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,60 @@
+"""``python -m lightning_emig.train`` end to end: Lightning's own launcher, torchrun, and config errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_emig.testing.commands import python_module_command, run_command
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+QUICK = ["data=synthetic", "trainer.max_steps=3", "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
+         "trainer.progress_bar=false", "trainer.pg_timeout_s=60"]
+
+
+def _summary(run_dir: Path) -> dict[str, object]:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_lightning_launcher_spawns_ranks_that_share_one_run_dir(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    cmd = python_module_command("lightning_emig.train", "recipe=tiny_cpu", "trainer.devices=2", "layout.tp=2",
+                                *QUICK, f"hydra.run.dir={run_dir}")
+    result = run_command(cmd, timeout_s=240, cwd=REPO)
+    assert result.returncode == 0, result.stdout[-4000:]
+    summary = _summary(run_dir)
+    assert summary["world_size"] == 2
+    assert summary["steps"] == 3
+    assert summary["layout"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 2, "pp": 1}
+    assert (run_dir / "checkpoints" / "last.ckpt").is_dir()
+
+
+def test_torchrun_launches_the_same_script(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    assert torchrun is not None
+    cmd = [torchrun, "--standalone", "--nproc-per-node=2", "-m", "lightning_emig.train", "recipe=tiny_cpu",
+           "trainer.devices=null", "layout.tp=1", *QUICK, f"hydra.run.dir={run_dir}"]
+    result = run_command(cmd, timeout_s=240, cwd=REPO)
+    assert result.returncode == 0, result.stdout[-4000:]
+    summary = _summary(run_dir)
+    assert summary["world_size"] == 2
+    assert summary["layout"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 1}
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [("layout.tpp=2", "Could not override 'layout.tpp'"), ("+layout.tpp=2", "tpp"),
+     ("recipe=nope", "Could not find 'recipe/nope'")],
+)
+def test_bad_config_fails_with_a_clear_message(tmp_path: Path, override: str, message: str) -> None:
+    cmd = python_module_command("lightning_emig.train", override, f"hydra.run.dir={tmp_path}")
+    result = run_command(cmd, timeout_s=60, cwd=REPO)
+    assert result.returncode != 0
+    assert message in result.stdout

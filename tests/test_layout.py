@@ -1,0 +1,85 @@
+"""HybridLayout validation: a table of valid and invalid layouts with the error text each must give."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_emig.layout import MESH_AXIS_ORDER, HybridLayout, LayoutError, MeshAxis
+
+VALID = [
+    # (layout kwargs, world size, resolved degrees (dp_replicate, dp_shard, tp, pp))
+    ({}, 4, (1, 4, 1, 1)),
+    ({"tp": 2}, 4, (1, 2, 2, 1)),
+    ({"dp_replicate": 2, "dp_shard": -1}, 4, (2, 2, 1, 1)),
+    ({"dp_shard": 1, "tp": -1}, 4, (1, 1, 4, 1)),
+    ({"dp_replicate": -1, "dp_shard": 2, "tp": 2}, 8, (2, 2, 2, 1)),
+    ({"dp_shard": 3}, 3, (1, 3, 1, 1)),
+    ({}, 1, (1, 1, 1, 1)),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "world", "expected"), VALID)
+def test_valid_layouts_resolve(kwargs: dict[str, int], world: int, expected: tuple[int, ...]) -> None:
+    layout = HybridLayout(**kwargs).resolve(world)
+    assert (layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp) == expected
+    assert layout.world_size == world
+    assert layout.dp == expected[0] * expected[1]
+    assert layout.mesh_shape == (expected[3], expected[0], expected[1], expected[2])
+
+
+INVALID_CONSTRUCTION = [
+    ({"tp": 0}, "tp=0 must be a positive integer or -1"),
+    ({"dp_shard": -2}, "dp_shard=-2 must be a positive integer or -1"),
+    ({"dp_shard": -1, "tp": -1}, "at most one layout degree may be -1"),
+    ({"tp": 1.5}, "tp must be an int"),
+    ({"pp": True}, "pp must be an int"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), INVALID_CONSTRUCTION)
+def test_invalid_degrees_are_rejected(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(LayoutError, match=message):
+        HybridLayout(**kwargs)  # type: ignore[arg-type]
+
+
+INVALID_FOR_WORLD = [
+    ({"dp_shard": 2, "tp": 2}, 8, "multiplies to 4 but the world size is 8"),
+    ({"tp": 3}, 4, "the other degrees multiply to 3, which does not divide the world size 4"),
+    ({}, 0, "world size must be >= 1"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "world", "message"), INVALID_FOR_WORLD)
+def test_layouts_that_do_not_fit_the_world(kwargs: dict[str, int], world: int, message: str) -> None:
+    with pytest.raises(LayoutError, match=message):
+        HybridLayout(**kwargs).resolve(world)
+
+
+MODEL = {"n_heads": 8, "n_kv_heads": 2, "ffn_hidden": 96, "n_layers": 4}
+
+INVALID_FOR_MODEL = [
+    ({"tp": 16, "dp_shard": 1}, "does not divide the model's attention heads"),
+    ({"tp": 4, "dp_shard": 1}, "does not divide the model's kv heads"),
+    ({"pp": 8, "dp_shard": 1}, "pp=8 is larger than the number of blocks"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), INVALID_FOR_MODEL)
+def test_layouts_the_model_cannot_take(kwargs: dict[str, int], message: str) -> None:
+    with pytest.raises(LayoutError, match=message):
+        HybridLayout(**kwargs).validate_for_model(**MODEL)
+
+
+def test_ffn_width_must_split_evenly() -> None:
+    with pytest.raises(LayoutError, match="FFN width"):
+        HybridLayout(tp=2, dp_shard=1).validate_for_model(n_heads=4, n_kv_heads=2, ffn_hidden=97, n_layers=2)
+
+
+def test_unresolved_layout_refuses_derived_sizes() -> None:
+    with pytest.raises(LayoutError, match="resolve"):
+        _ = HybridLayout().world_size
+
+
+def test_axis_order_puts_tensor_parallel_innermost() -> None:
+    assert MESH_AXIS_ORDER[-1] is MeshAxis.TP
+    assert HybridLayout(tp=2, dp_shard=2).degree(MeshAxis.DP) == 2
