@@ -1,0 +1,200 @@
+"""This rank's micro-batches, step after step, from the *committed* global offset.
+
+:class:`MicroBatchStream` is the ``IterableDataset`` a training loop reads (``DataLoader(stream, batch_size=None,
+num_workers=0)``; Lightning never injects a ``DistributedSampler`` into an iterable dataset). Invariants:
+
+* *committed* vs *produced*: producing a micro-batch never moves the position. Loaders prefetch (Lightning reads
+  one batch ahead), so the position is the sampler's offset, advanced only by :meth:`MicroBatchStream.commit_step`
+  after an optimizer step. ``state_dict`` saves that committed offset, never the prefetch position.
+* a NEW iterator starts exactly at the committed offset with the current topology. :meth:`set_topology`,
+  :meth:`load_state_dict`, :meth:`seek` and ``iter()`` itself make every older iterator stale: using one raises
+  :class:`StaleIteratorError` instead of silently feeding samples of the old layout.
+* ``commit_step`` refuses to commit a step whose micro-batches the live iterator has not all produced yet (the
+  usual bug: committing per micro-batch instead of per optimizer step).
+* the stream runs in the process that commits: ``num_workers`` must be 0, which ``__iter__`` checks. Worker
+  processes would each hold a copy whose offset never sees the commits.
+
+Each item is a dict of tensors with batch dimension ``m = micro_batch_size``: ``inputs`` [m, T], ``targets``
+[m, T], ``sample_ids`` [m] (dataset indices: the data ledger), ``step_offset`` [m] (the offset of the optimizer
+step the micro-batch belongs to) and ``micro_step`` [m] (its index within the accumulation window, 0-based).
+The last two are per-sample columns, not Python ints, so Lightning's batch-size inference sees one batch
+size; compare ``batch["step_offset"][0]`` with ``stream.offset`` to detect a stale prefetched batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from lightning_emig.data.batching import BatchPlan
+from lightning_emig.data.sampler import GlobalOffsetSampler
+
+MicroBatch = dict[str, torch.Tensor]
+
+
+class StaleIteratorError(RuntimeError):
+    """An iterator created before the stream's topology or position last changed was used."""
+
+
+class MicroBatchStream(IterableDataset[MicroBatch]):
+    """Infinite, elastic stream of one data-parallel rank's micro-batches (across epochs)."""
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        sampler: GlobalOffsetSampler,
+        micro_batch_size: int,
+        *,
+        dp_degree: int | None = None,
+        dp_rank: int | None = None,
+    ) -> None:
+        size = len(dataset) if hasattr(dataset, "__len__") else None  # type: ignore[arg-type]
+        if size is not None and size != sampler.num_samples:
+            raise ValueError(
+                f"dataset has {size} samples but the sampler was built for num_samples={sampler.num_samples}:"
+                " build GlobalOffsetSampler(len(dataset), ...) (wrap the dataset in a Subset to use part of it)"
+            )
+        BatchPlan(sampler.global_batch_size, micro_batch_size)  # validates micro batch against the global one
+        self.dataset = dataset
+        self.sampler = sampler
+        self.micro_batch_size = micro_batch_size
+        self._topology: tuple[int, int] | None = None
+        # Bumped whenever a live iterator would start reading wrong samples; iterators remember theirs.
+        self._generation = 0
+        # End (exclusive offset) of the steps the live iterator has produced completely; None: no live iterator.
+        self._produced_end: int | None = None
+        if dp_degree is not None or dp_rank is not None:
+            if dp_degree is None or dp_rank is None:
+                raise ValueError("give both dp_degree and dp_rank, or neither (then call set_topology)")
+            self.set_topology(dp_degree, dp_rank)
+
+    # ------------------------------------------------------------------ topology and position
+    @property
+    def offset(self) -> int:
+        """The committed global sample offset (samples of completed optimizer steps)."""
+        return self.sampler.offset
+
+    @property
+    def topology(self) -> tuple[int, int] | None:
+        """``(dp_degree, dp_rank)``, or ``None`` before :meth:`set_topology`."""
+        return self._topology
+
+    @property
+    def plan(self) -> BatchPlan:
+        """Batch arithmetic for the current topology."""
+        dp_degree, _ = self._require_topology()
+        return BatchPlan(self.sampler.global_batch_size, self.micro_batch_size, dp_degree)
+
+    def set_topology(self, dp_degree: int, dp_rank: int, micro_batch_size: int | None = None) -> None:
+        """Place this stream at data-parallel rank ``dp_rank`` of ``dp_degree`` (and optionally a new micro
+        batch). Takes effect for iterators created afterwards; existing ones become stale if anything changed.
+        """
+        micro = self.micro_batch_size if micro_batch_size is None else micro_batch_size
+        BatchPlan(self.sampler.global_batch_size, micro, dp_degree)
+        if not isinstance(dp_rank, int) or isinstance(dp_rank, bool) or not 0 <= dp_rank < dp_degree:
+            raise ValueError(f"dp_rank must be an int in [0, {dp_degree}), got {dp_rank!r}")
+        if (dp_degree, dp_rank) == self._topology and micro == self.micro_batch_size:
+            return
+        self._topology = (dp_degree, dp_rank)
+        self.micro_batch_size = micro
+        self._invalidate_iterators()
+
+    def commit_step(self) -> int:
+        """Record one completed optimizer step (one global batch); returns the new committed offset."""
+        step_end = self.sampler.offset + self.sampler.global_batch_size
+        if self._produced_end is not None and self._produced_end < step_end:
+            raise RuntimeError(
+                f"commit_step at offset {self.sampler.offset}, but this rank has not yet produced all"
+                f" {self.plan.grad_accumulation} micro-batches of that step: commit once per optimizer step,"
+                " after the last accumulation micro-batch, never per micro-batch"
+            )
+        return self.sampler.advance(1)
+
+    def seek(self, offset: int) -> None:
+        """Move the committed offset (e.g. from a restored step counter); older iterators become stale."""
+        self.sampler.seek(offset)
+        self._invalidate_iterators()
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"sampler": GlobalOffsetSampler.state_dict()}``: the committed offset and what defines the data
+        order (so a mismatched resume is refused). Never the prefetch position."""
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the committed offset; older iterators become stale."""
+        if set(state) != {"sampler"}:
+            raise ValueError(
+                f"stream state must have exactly the key 'sampler' (from MicroBatchStream.state_dict()),"
+                f" got keys {sorted(state)}"
+            )
+        self.sampler.load_state_dict(state["sampler"])
+        self._invalidate_iterators()
+
+    # ------------------------------------------------------------------ iteration
+    def __iter__(self) -> Iterator[MicroBatch]:
+        if get_worker_info() is not None:
+            raise RuntimeError(
+                "MicroBatchStream must be read in the training process: use DataLoader(stream, batch_size=None,"
+                " num_workers=0). A worker process holds a copy of the stream that never sees commit_step."
+            )
+        dp_degree, dp_rank = self._require_topology()
+        self._invalidate_iterators()  # one live iterator per stream: two would read the same steps
+        self._produced_end = self.sampler.offset
+        return self._produce(self._generation, self.sampler.offset, dp_degree, dp_rank, self.micro_batch_size)
+
+    def _produce(
+        self, generation: int, offset: int, dp_degree: int, dp_rank: int, micro_batch_size: int
+    ) -> Iterator[MicroBatch]:
+        global_batch_size = self.sampler.global_batch_size
+        while True:
+            micro_batches = self.sampler.indices_for_step(offset, dp_degree, dp_rank, micro_batch_size)
+            for micro_step, ids in enumerate(micro_batches):
+                self._check_live(generation)
+                batch = self._collate(ids, offset, micro_step)
+                if micro_step == len(micro_batches) - 1:
+                    self._produced_end = offset + global_batch_size
+                yield batch
+            offset += global_batch_size
+
+    def _collate(self, ids: Sequence[int], step_offset: int, micro_step: int) -> MicroBatch:
+        inputs, targets = zip(*(_split_sample(self.dataset[i]) for i in ids), strict=True)
+        m = len(ids)
+        return {
+            "inputs": torch.stack(inputs),
+            "targets": torch.stack(targets),
+            "sample_ids": torch.tensor(ids, dtype=torch.long),
+            "step_offset": torch.full((m,), step_offset, dtype=torch.long),
+            "micro_step": torch.full((m,), micro_step, dtype=torch.long),
+        }
+
+    def _check_live(self, generation: int) -> None:
+        if generation != self._generation:
+            raise StaleIteratorError(
+                "this MicroBatchStream iterator is stale: the stream's topology or position changed"
+                " (set_topology / load_state_dict / seek / a newer iter()) after it was created. Call"
+                " iter(stream) (or rebuild the DataLoader iterator) to restart at the committed offset"
+                f" {self.sampler.offset}"
+            )
+
+    def _invalidate_iterators(self) -> None:
+        self._generation += 1
+        self._produced_end = None
+
+    def _require_topology(self) -> tuple[int, int]:
+        if self._topology is None:
+            raise RuntimeError(
+                "MicroBatchStream has no data-parallel position: call set_topology(dp_degree, dp_rank) first"
+                " (dp_degree=1, dp_rank=0 on a single device)"
+            )
+        return self._topology
+
+
+def _split_sample(sample: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept ``{"inputs", "targets"}`` dicts and ``(inputs, targets)`` pairs."""
+    if isinstance(sample, Mapping):
+        return sample["inputs"], sample["targets"]
+    inputs, targets = sample
+    return inputs, targets
