@@ -39,7 +39,11 @@ def _summary(parts: Any, seconds: float, cfg: DictConfig) -> dict[str, Any]:
     losses = parts.module.step_losses
     steps = sorted(losses)
     plan = parts.strategy.batch_plan
-    tokens = len(steps) * plan.tokens_per_step(cfg.data.seq_len)
+    times = parts.module.step_end_times
+    # Throughput from the steady state: the first step pays for warm-up (allocation, first messages).
+    timed_steps = len(steps) - 1
+    span = times[steps[-1]] - times[steps[0]] if timed_steps > 0 else 0.0
+    tokens_per_second = timed_steps * plan.tokens_per_step(cfg.data.seq_len) / span if span > 0 else 0.0
     return {
         "layout": parts.strategy.layout.as_dict(),
         "world_size": parts.strategy.world_size,
@@ -49,7 +53,7 @@ def _summary(parts: Any, seconds: float, cfg: DictConfig) -> dict[str, Any]:
         "last_loss": losses[steps[-1]] if steps else None,
         "step_losses": {str(k): losses[k] for k in steps},
         "seconds": seconds,
-        "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
+        "tokens_per_second": tokens_per_second,
         "run_dir": str(parts.run_dir),
     }
 

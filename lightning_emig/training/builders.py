@@ -25,6 +25,7 @@ from lightning_emig.layout import HybridLayout
 from lightning_emig.strategy import ElasticMigrationStrategy
 from lightning_emig.training.module import LlamaLightningModule
 from lightning_emig.training.optim import OptimConfig
+from lightning_emig.training.progress import StepProgressBar
 
 
 @dataclass(slots=True)
@@ -108,7 +109,7 @@ def build_run(cfg: TrainConfig, run_dir: Path) -> RunParts:
         precision=cfg.trainer.precision,  # type: ignore[arg-type]
         max_steps=cfg.trainer.max_steps,
         logger=build_loggers(cfg, run_dir),
-        callbacks=[checkpoint],
+        callbacks=[checkpoint, StepProgressBar()] if cfg.trainer.progress_bar else [checkpoint],
         enable_progress_bar=cfg.trainer.progress_bar,
         log_every_n_steps=1,
         limit_val_batches=0,

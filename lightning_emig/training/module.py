@@ -13,6 +13,7 @@ data-parallel ranks), so curves from different layouts are directly comparable.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -45,6 +46,8 @@ class LlamaLightningModule(pl.LightningModule):
         self.model: torch.nn.Module | None = None
         self.step_losses: dict[int, float] = {}
         """Global-batch mean loss of each optimizer step, keyed by the step index (0-based)."""
+        self.step_end_times: dict[int, float] = {}
+        """``time.perf_counter()`` when each optimizer step's gradients were ready (throughput)."""
         self._loss_sum: torch.Tensor | None = None
         self._micro_batches = 0
 
@@ -77,6 +80,7 @@ class LlamaLightningModule(pl.LightningModule):
         # Runs once per optimizer step on every rank, after all accumulated backward passes.
         step_loss = self._global_batch_loss()
         self.step_losses[self.trainer.global_step] = step_loss
+        self.step_end_times[self.trainer.global_step] = time.perf_counter()
         self.log("train/loss", step_loss, prog_bar=True, on_step=True, rank_zero_only=True)
         self.log("trainer/step", float(self.trainer.global_step), on_step=True, rank_zero_only=True)
 

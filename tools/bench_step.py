@@ -1,0 +1,159 @@
+"""Step time of ElasticMigrationStrategy vs Lightning's own ModelParallelStrategy, same 2-D layout, one run.
+
+Both train the same model on the same synthetic batches with the same global batch and micro batch, under
+FSDP2 (dp_shard) x TP on the same processes; the two are run alternately (ours, Lightning's, ours, ...) so
+machine noise hits both alike. A step is timed from its first micro-batch to the end of its optimizer step;
+the first WARMUP steps of each run are dropped.
+
+    .venv/bin/python tools/bench_step.py --model tiny --steps 12 --out bench_results/step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+WARMUP = 3
+
+
+def _timing_callback() -> Any:
+    from lightning.pytorch.callbacks import Callback
+
+    class StepTimer(Callback):
+        def __init__(self) -> None:
+            self.seconds: list[float] = []
+            self._start: float | None = None
+            self._step = 0
+
+        def on_train_batch_start(self, trainer: Any, *_: Any) -> None:
+            if self._start is None:
+                self._start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, *_: Any) -> None:
+            if trainer.global_step != self._step:  # an optimizer step just finished
+                self._step = trainer.global_step
+                self.seconds.append(time.perf_counter() - self._start)
+                self._start = None
+
+    return StepTimer()
+
+
+def _lightning_baseline_module(model_size: str, seed: int) -> Any:
+    """What Lightning's docs have a user write for ModelParallelStrategy: TP then FSDP2 in configure_model."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_emig.parallelize import apply_tensor_parallel, materialize_and_init
+    from lightning_emig.training.module import LlamaLightningModule
+
+    class BaselineModule(LlamaLightningModule):
+        def configure_model(self) -> None:
+            if self.model is not None:
+                return
+            from lightning_emig.models.llama import Llama
+
+            mesh = self.device_mesh
+            with torch.device("meta"):
+                model = Llama(self.model_config)
+            apply_tensor_parallel(model, mesh["tensor_parallel"])
+            for block in model.blocks():
+                fully_shard(block, mesh=mesh["data_parallel"])
+            fully_shard(model, mesh=mesh["data_parallel"])
+            materialize_and_init(model, self.trainer.strategy.root_device, seed=self.seed)
+            self.model = model
+
+        def _global_batch_loss(self) -> float:  # the baseline has no layout mesh; the loss is not compared
+            self._loss_sum, self._micro_batches = None, 0
+            return 0.0
+
+    return BaselineModule(model_size=model_size, seed=seed, max_steps=10_000)
+
+
+def _run_ours(args: argparse.Namespace, world: int, root: Path) -> list[float]:
+    from lightning_emig.testing.runs import quiet_lightning, tiny_config
+    from lightning_emig.training.builders import build_run
+
+    quiet_lightning()
+    cfg = tiny_config(layout={"dp_shard": world // args.tp, "tp": args.tp}, max_steps=args.steps,
+                      global_batch_size=args.global_batch, micro_batch_size=args.micro_batch, world_size=world)
+    cfg.model.size = args.model
+    cfg.data.seq_len = args.seq_len
+    parts = build_run(cfg, root)
+    timer = _timing_callback()
+    parts.trainer.callbacks.append(timer)
+    parts.trainer.fit(parts.module, train_dataloaders=parts.loader)
+    return timer.seconds
+
+
+def _run_lightning(args: argparse.Namespace, world: int, root: Path) -> list[float]:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.utils.data import DataLoader
+
+    from lightning_emig.data.datasets import SyntheticDataset
+    from lightning_emig.testing.runs import quiet_lightning
+
+    quiet_lightning()
+    dp = world // args.tp
+    dataset = SyntheticDataset(4096, args.seq_len, seed=0)
+    timer = _timing_callback()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, num_nodes=1,
+        strategy=ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=args.tp),
+        max_steps=args.steps, accumulate_grad_batches=args.global_batch // (args.micro_batch * dp),
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, callbacks=[timer],
+        limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=str(root),
+    )
+    loader = DataLoader(dataset, batch_size=args.micro_batch, shuffle=True)
+    trainer.fit(_lightning_baseline_module(args.model, seed=0), train_dataloaders=loader)
+    return timer.seconds
+
+
+def _bench(rank: int, world: int, args: argparse.Namespace, root: str) -> dict[str, list[float]]:
+    runs: dict[str, list[float]] = {"ours": [], "lightning": []}
+    for round_ in range(args.rounds):
+        runs["ours"] += _run_ours(args, world, Path(root) / f"ours{round_}")[WARMUP:]
+        runs["lightning"] += _run_lightning(args, world, Path(root) / f"lightning{round_}")[WARMUP:]
+    return runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=Path("bench_results/step.json"))
+    args = parser.parse_args()
+    if args.steps <= WARMUP:
+        parser.error(f"--steps must exceed the {WARMUP} warm-up steps")
+
+    import tempfile
+
+    from lightning_emig.testing.distributed import run_distributed
+
+    with tempfile.TemporaryDirectory() as root:
+        runs = run_distributed(_bench, args.world, args, root, timeout_s=3600)[0]
+    ours, theirs = statistics.median(runs["ours"]), statistics.median(runs["lightning"])
+    result = {
+        "model": args.model, "world": args.world, "layout": {"dp_shard": args.world // args.tp, "tp": args.tp},
+        "global_batch": args.global_batch, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
+        "ours_step_seconds": runs["ours"], "lightning_step_seconds": runs["lightning"],
+        "ours_median_s": ours, "lightning_median_s": theirs, "ratio_ours_over_lightning": ours / theirs,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"median step: ours {ours:.4f}s, Lightning ModelParallelStrategy {theirs:.4f}s, "
+          f"ratio {ours / theirs:.3f} ({len(runs['ours'])} vs {len(runs['lightning'])} timed steps) -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
