@@ -1,0 +1,44 @@
+"""What a model must offer to be parallelized and initialized by :mod:`lightning_emig.parallelize`.
+
+Invariants:
+
+* parameter names (``named_parameters``) never change under tensor parallelism or FSDP2, so a name identifies
+  the same logical tensor in every layout — geometry, planner and initialization all key on it;
+* a :class:`TensorParallelPlan` is a pair of ``parallelize_module`` plans: one applied to the root module, one
+  applied to each block returned by ``blocks()``, so a pipeline stage that dropped some blocks still works;
+* ``init_full_parameter`` fills the *full* (unsharded) value of a parameter from a generator, so the same seed
+  gives the same full weights whatever the layout and world.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+
+class TensorParallelPlan(NamedTuple):
+    """Tensor-parallel plans keyed by submodule path (``parallelize_module`` format)."""
+
+    root: dict[str, ParallelStyle]
+    """Applied to the whole model: embedding, final norm, output projection."""
+    block: dict[str, ParallelStyle]
+    """Applied to each block in ``model.blocks()``; paths are relative to the block."""
+    sequence_dim: int | None = None
+    """Dim of the model's input that sequence parallelism shards (its size must divide by the TP degree)."""
+
+
+@runtime_checkable
+class ParallelizableModel(Protocol):
+    """The hooks :func:`lightning_emig.parallelize.parallelize_model` and ``materialize_and_init`` use."""
+
+    def tensor_parallel_plan(self) -> TensorParallelPlan: ...
+
+    def blocks(self) -> list[nn.Module]: ...
+
+    def init_full_parameter(self, name: str, full: torch.Tensor, generator: torch.Generator) -> None: ...
+
+    def init_buffers(self) -> None: ...
