@@ -1,0 +1,548 @@
+"""Migration planner: who sends which box of which tensor to whom, computed by each process for itself.
+
+Pure: inputs are the tensors' old and new :class:`~lightning_emig.migration.geometry.TensorSharding` and an
+:class:`IdentityMap`; nothing touches ``torch.distributed``.
+
+Identity. The unit is a *process*, named by a ``pid`` that persists across the change (any stable integer the
+membership layer hands out). Its ``old_rank`` (``None`` for a joiner) and ``new_rank`` (``None`` for a leaver)
+are attributes; an old rank held by no process is dead, and what only it held is lost.
+
+Invariants (the tests hold them):
+
+* minimal bytes: every element a process needs under the new layout arrives exactly once; an element it already
+  holds is copied locally and never sent, so bytes received = the intersection minimum for this identity map;
+* every transfer is a box inside one piece of the sender's old holding and one piece of the receiver's new holding;
+* consistency without communication: the sends that process A plans to B equal, in order, the receives that B plans
+  from A; both sides evaluate the same deterministic choice on the same fragment (no hashing of strings, no sets in
+  the output order);
+* order: transfers between a pair are sorted by ``(tensor name, box)``, the same on both sides, so point-to-point
+  operations posted in list order match;
+* cost per process grows with its own pieces and the peers overlapping them, never with world².
+
+Replica choice: among the live holders of a fragment, holders on the receiver's node are preferred; a fragment of
+at least ``PlanOptions.split_min_bytes`` is split evenly over those holders, a smaller one goes to the holder picked
+by rotating on ``new_rank + tensor index``, so receivers of the same shard spread over its replicas.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from lightning_emig.migration.geometry import LocalPiece, ShardBox, Source, TensorSharding
+
+
+class PlanError(ValueError):
+    """Inputs the planner cannot plan from (mismatched tensors, a broken identity map)."""
+
+
+class StateLostError(RuntimeError):
+    """Some state was held only by dead processes; it must come from a checkpoint."""
+
+
+# ------------------------------------------------------------------------------------------------ inputs
+@dataclass(frozen=True, slots=True)
+class TensorMigration:
+    """One state tensor (a parameter or an optimizer-state tensor) under the old and the new layout."""
+
+    name: str
+    itemsize: int
+    """Bytes per element."""
+    old: TensorSharding
+    new: TensorSharding
+
+    def __post_init__(self) -> None:
+        if self.old.global_shape != self.new.global_shape:
+            raise PlanError(
+                f"{self.name}: global shape changes from {self.old.global_shape} to {self.new.global_shape}; "
+                "migration moves state, it cannot reshape it"
+            )
+        if self.itemsize < 1:
+            raise PlanError(f"{self.name}: element size must be positive, got {self.itemsize}")
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessInfo:
+    """A process taking part in the change. ``node`` is any hashable id of its host."""
+
+    pid: int
+    node: Hashable = 0
+    old_rank: int | None = None
+    new_rank: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class IdentityMap:
+    """Which process keeps which old rank and gets which new rank.
+
+    Every new rank ``0..new_world-1`` belongs to exactly one process; old ranks are unique, and an old rank of
+    ``0..old_world-1`` that no process claims is dead. Lookups are dicts (linear in the world, never quadratic).
+    """
+
+    processes: tuple[ProcessInfo, ...]
+    old_world: int
+    new_world: int
+    _by_pid: dict[int, ProcessInfo] = field(init=False, repr=False, compare=False)
+    _by_old: dict[int, ProcessInfo] = field(init=False, repr=False, compare=False)
+    _by_new: dict[int, ProcessInfo] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        procs = tuple(sorted(self.processes, key=lambda p: p.pid))
+        object.__setattr__(self, "processes", procs)
+        by_pid = {p.pid: p for p in procs}
+        if len(by_pid) != len(procs):
+            raise PlanError("process ids must be unique")
+        by_old = _unique_index(procs, "old_rank", self.old_world)
+        by_new = _unique_index(procs, "new_rank", self.new_world)
+        if len(by_new) != self.new_world:
+            missing = sorted(set(range(self.new_world)) - set(by_new))
+            raise PlanError(f"new ranks {missing} have no process; every new rank needs one")
+        object.__setattr__(self, "_by_pid", by_pid)
+        object.__setattr__(self, "_by_old", by_old)
+        object.__setattr__(self, "_by_new", by_new)
+
+    @classmethod
+    def same_processes(cls, world: int, nodes: Sequence[Hashable] | None = None) -> IdentityMap:
+        """A layout change on unchanged processes: pid = old rank = new rank."""
+        nodes = nodes if nodes is not None else [0] * world
+        return cls(tuple(ProcessInfo(r, nodes[r], r, r) for r in range(world)), world, world)
+
+    def process(self, pid: int) -> ProcessInfo:
+        try:
+            return self._by_pid[pid]
+        except KeyError:
+            raise PlanError(f"process {pid} is not part of this change") from None
+
+    def by_old_rank(self, rank: int) -> ProcessInfo | None:
+        """The live process that held old ``rank``, or ``None`` when it is dead."""
+        return self._by_old.get(rank)
+
+    def by_new_rank(self, rank: int) -> ProcessInfo:
+        return self._by_new[rank]
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return tuple(p.pid for p in self.processes)
+
+    def union_rank(self, pid: int) -> int:
+        """Rank of ``pid`` in a process group over old and new processes, ordered by pid."""
+        self.process(pid)
+        return self.pids.index(pid)
+
+    @property
+    def dead_old_ranks(self) -> tuple[int, ...]:
+        return tuple(r for r in range(self.old_world) if r not in self._by_old)
+
+
+def _unique_index(procs: Iterable[ProcessInfo], attr: str, world: int) -> dict[int, ProcessInfo]:
+    index: dict[int, ProcessInfo] = {}
+    for p in procs:
+        rank = getattr(p, attr)
+        if rank is None:
+            continue
+        if not 0 <= rank < world:
+            raise PlanError(f"process {p.pid} has {attr}={rank}, outside a world of {world}")
+        if rank in index:
+            raise PlanError(f"processes {index[rank].pid} and {p.pid} both claim {attr}={rank}")
+        index[rank] = p
+    return index
+
+
+@dataclass(frozen=True, slots=True)
+class PlanOptions:
+    split_min_bytes: int = 1 << 20
+    """A fragment at least this large is split evenly over its eligible replicas."""
+    prefer_same_node: bool = True
+    """Take a fragment from a holder on the receiver's node when there is one."""
+    allow_lost: bool = False
+    """Report fragments no live process holds in ``RankPlan.lost`` instead of raising :class:`StateLostError`."""
+
+
+# ----------------------------------------------------------------------------------------------- outputs
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """One box of one tensor from ``src`` to ``dst`` (process ids; equal for a local copy).
+
+    ``src_start`` / ``dst_start`` locate the box's first element in the sender's old and the receiver's new local
+    tensor: the data is ``old_local[box placed at src_start]`` and goes to ``new_local[box placed at dst_start]``.
+    """
+
+    tensor: str
+    box: ShardBox
+    src: int
+    dst: int
+    src_start: tuple[int, ...]
+    dst_start: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def sort_key(self) -> tuple[str, tuple[tuple[int, int], ...]]:
+        return (self.tensor, self.box.bounds)
+
+    def src_slices(self) -> tuple[slice, ...]:
+        return tuple(slice(s, s + n) for s, n in zip(self.src_start, self.box.shape, strict=True))
+
+    def dst_slices(self) -> tuple[slice, ...]:
+        return tuple(slice(s, s + n) for s, n in zip(self.dst_start, self.box.shape, strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class LostFragment:
+    tensor: str
+    box: ShardBox
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlan:
+    """Everything one process does: local copies, then sends and receives grouped by peer in canonical order."""
+
+    pid: int
+    old_rank: int | None
+    new_rank: int | None
+    copies: tuple[Transfer, ...]
+    sends: tuple[Transfer, ...]
+    """Sorted by (dst, tensor, box)."""
+    recvs: tuple[Transfer, ...]
+    """Sorted by (src, tensor, box)."""
+    lost: tuple[LostFragment, ...] = ()
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        return tuple(sorted({t.dst for t in self.sends} | {t.src for t in self.recvs}))
+
+    def sends_to(self, pid: int) -> tuple[Transfer, ...]:
+        return tuple(t for t in self.sends if t.dst == pid)
+
+    def recvs_from(self, pid: int) -> tuple[Transfer, ...]:
+        return tuple(t for t in self.recvs if t.src == pid)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(t.nbytes for t in self.sends)
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(t.nbytes for t in self.recvs)
+
+    @property
+    def bytes_copied(self) -> int:
+        return sum(t.nbytes for t in self.copies)
+
+
+# ---------------------------------------------------------------------------------------------- planning
+def plan_for_rank(
+    tensors: Sequence[TensorMigration],
+    identity: IdentityMap,
+    pid: int,
+    options: PlanOptions = PlanOptions(),
+) -> RankPlan:
+    """The plan of process ``pid`` alone, derived without communication (every process gets the same answers)."""
+    me = identity.process(pid)
+    copies: list[Transfer] = []
+    recvs: list[Transfer] = []
+    sends: list[Transfer] = []
+    lost: list[LostFragment] = []
+    for index, tensor in enumerate(_ordered(tensors, identity)):
+        if me.new_rank is not None:
+            for item in _receiver_fragments(tensor, index, me, identity, options):
+                if isinstance(item, LostFragment):
+                    lost.append(item)
+                elif item.src == me.pid:
+                    copies.append(item)
+                else:
+                    recvs.append(item)
+        if me.old_rank is not None:
+            sends.extend(_sender_fragments(tensor, index, me, identity, options))
+    return _finish(me, copies, sends, recvs, lost, options)
+
+
+def plan_all(
+    tensors: Sequence[TensorMigration],
+    identity: IdentityMap,
+    options: PlanOptions = PlanOptions(),
+) -> dict[int, RankPlan]:
+    """Every process's plan at once (tests, simulators). Sends are derived from the receivers' side only, so
+    comparing with :func:`plan_for_rank` checks that the two sides agree."""
+    ordered = _ordered(tensors, identity)
+    copies: dict[int, list[Transfer]] = {p: [] for p in identity.pids}
+    sends: dict[int, list[Transfer]] = {p: [] for p in identity.pids}
+    recvs: dict[int, list[Transfer]] = {p: [] for p in identity.pids}
+    lost: dict[int, list[LostFragment]] = {p: [] for p in identity.pids}
+    for me in identity.processes:
+        if me.new_rank is None:
+            continue
+        for index, tensor in enumerate(ordered):
+            for item in _receiver_fragments(tensor, index, me, identity, options):
+                if isinstance(item, LostFragment):
+                    lost[me.pid].append(item)
+                elif item.src == me.pid:
+                    copies[me.pid].append(item)
+                else:
+                    recvs[me.pid].append(item)
+                    sends[item.src].append(item)
+    return {
+        p.pid: _finish(p, copies[p.pid], sends[p.pid], recvs[p.pid], lost[p.pid], options)
+        for p in identity.processes
+    }
+
+
+def _ordered(tensors: Sequence[TensorMigration], identity: IdentityMap) -> list[TensorMigration]:
+    # Sorting by name makes the canonical order independent of how each process happened to list its state.
+    ordered = sorted(tensors, key=lambda t: t.name)
+    for a, b in itertools.pairwise(ordered):
+        if a.name == b.name:
+            raise PlanError(f"tensor {a.name!r} is listed twice")
+    for t in ordered:
+        if (t.old.world_size, t.new.world_size) != (identity.old_world, identity.new_world):
+            raise PlanError(
+                f"{t.name}: its meshes span {t.old.world_size} -> {t.new.world_size} ranks but the identity map "
+                f"is for {identity.old_world} -> {identity.new_world}"
+            )
+    return ordered
+
+
+def _finish(
+    me: ProcessInfo,
+    copies: list[Transfer],
+    sends: list[Transfer],
+    recvs: list[Transfer],
+    lost: list[LostFragment],
+    options: PlanOptions,
+) -> RankPlan:
+    if lost and not options.allow_lost:
+        total = sum(f.nbytes for f in lost)
+        names = sorted({f.tensor for f in lost})
+        raise StateLostError(
+            f"process {me.pid} (new rank {me.new_rank}) needs {total} bytes of {len(names)} tensors "
+            f"(e.g. {names[:3]}) that no live process holds; restore them from a checkpoint "
+            "(plan with PlanOptions(allow_lost=True) to get the list)"
+        )
+    return RankPlan(
+        pid=me.pid,
+        old_rank=me.old_rank,
+        new_rank=me.new_rank,
+        copies=tuple(sorted(copies, key=lambda t: t.sort_key)),
+        sends=tuple(sorted(sends, key=lambda t: (t.dst, *t.sort_key))),
+        recvs=tuple(sorted(recvs, key=lambda t: (t.src, *t.sort_key))),
+        lost=tuple(sorted(lost, key=lambda f: (f.tensor, f.box.bounds))),
+    )
+
+
+def _receiver_fragments(
+    tensor: TensorMigration, index: int, me: ProcessInfo, identity: IdentityMap, options: PlanOptions
+) -> Iterator[Transfer | LostFragment]:
+    """Everything ``me`` needs of ``tensor``: one item per (old distinct piece x new piece) fragment or part of it."""
+    assert me.new_rank is not None
+    holding = tensor.new.holding_of_rank(me.new_rank)
+    if holding is None:
+        return
+    for new_piece in holding.pieces:
+        for source in tensor.old.sources(new_piece.global_box):
+            holders = _Holders.of(source, identity)
+            yield from _fragment_transfers(tensor, index, holders, new_piece, me, options)
+
+
+def _sender_fragments(
+    tensor: TensorMigration, index: int, me: ProcessInfo, identity: IdentityMap, options: PlanOptions
+) -> Iterator[Transfer]:
+    """What ``me`` sends of ``tensor``: replays each overlapping receiver's choice and keeps ours."""
+    assert me.old_rank is not None
+    holding = tensor.old.holding_of_rank(me.old_rank)
+    if holding is None:
+        return
+    replicas = tensor.old.replica_ranks(me.old_rank)
+    for old_piece in holding.pieces:
+        holders = _Holders.of(Source(old_piece, replicas), identity)
+        for target in tensor.new.sources(old_piece.global_box):
+            for new_rank in target.ranks:
+                receiver = identity.by_new_rank(new_rank)
+                if receiver.pid == me.pid:
+                    continue
+                for item in _fragment_transfers(tensor, index, holders, target.piece, receiver, options):
+                    if isinstance(item, Transfer) and item.src == me.pid:
+                        yield item
+
+
+@dataclass(frozen=True, slots=True)
+class _Holders:
+    """A distinct old piece with its holders: their old ranks, and the live processes among them (all, by node)."""
+
+    piece: LocalPiece
+    ranks: frozenset[int]
+    live: tuple[ProcessInfo, ...]
+    by_node: dict[Hashable, tuple[ProcessInfo, ...]]
+
+    @classmethod
+    def of(cls, source: Source, identity: IdentityMap) -> _Holders:
+        # ordered by old rank (source.ranks is sorted): the same list on every process
+        live = tuple(p for p in (identity.by_old_rank(r) for r in source.ranks) if p is not None)
+        by_node: dict[Hashable, list[ProcessInfo]] = {}
+        for p in live:
+            by_node.setdefault(p.node, []).append(p)
+        return cls(source.piece, frozenset(source.ranks), live, {n: tuple(ps) for n, ps in by_node.items()})
+
+
+def _fragment_transfers(
+    tensor: TensorMigration,
+    index: int,
+    holders: _Holders,
+    new_piece: LocalPiece,
+    receiver: ProcessInfo,
+    options: PlanOptions,
+) -> Iterator[Transfer | LostFragment]:
+    """How ``receiver`` gets the part of ``new_piece`` inside ``holders.piece``: a copy, transfers, or lost."""
+    fragment = holders.piece.global_box.intersect(new_piece.global_box)
+    if fragment is None:
+        return
+    if receiver.old_rank is not None and receiver.old_rank in holders.ranks:
+        yield _transfer(tensor, fragment, receiver, receiver, holders.piece, new_piece)
+        return
+    if not holders.live:
+        yield LostFragment(tensor.name, fragment, fragment.numel * tensor.itemsize)
+        return
+    candidates = (holders.by_node.get(receiver.node) if options.prefer_same_node else None) or holders.live
+    for part, sender in _choose_senders(fragment, tensor.itemsize, candidates, receiver, index, options):
+        yield _transfer(tensor, part, sender, receiver, holders.piece, new_piece)
+
+
+def _choose_senders(
+    fragment: ShardBox,
+    itemsize: int,
+    candidates: tuple[ProcessInfo, ...],
+    receiver: ProcessInfo,
+    index: int,
+    options: PlanOptions,
+) -> list[tuple[ShardBox, ProcessInfo]]:
+    """Deterministic replica choice: big fragments split over the candidates, small ones rotated over them.
+
+    Rotating on the receiver's new rank spreads the receivers of one shard over its replicas; adding the tensor's
+    index spreads the tensors one receiver needs.
+    """
+    rotation = (receiver.new_rank or 0) + index
+    n = len(candidates)
+    if n > 1 and fragment.numel * itemsize >= options.split_min_bytes:
+        return [(part, candidates[(k + rotation) % n]) for k, part in enumerate(fragment.split(n))]
+    return [(fragment, candidates[rotation % n])]
+
+
+def _transfer(
+    tensor: TensorMigration,
+    box: ShardBox,
+    sender: ProcessInfo,
+    receiver: ProcessInfo,
+    old_piece: LocalPiece,
+    new_piece: LocalPiece,
+) -> Transfer:
+    return Transfer(
+        tensor=tensor.name,
+        box=box,
+        src=sender.pid,
+        dst=receiver.pid,
+        src_start=old_piece.local_offset(box),
+        dst_start=new_piece.local_offset(box),
+        nbytes=box.numel * tensor.itemsize,
+    )
+
+
+# ----------------------------------------------------------------------------------------- rank assignment
+@dataclass(frozen=True, slots=True)
+class RankAssignment:
+    """New ranks for the processes of a changing world, chosen to keep the most bytes in place."""
+
+    identity: IdentityMap
+    bytes_in_place: int
+    """Bytes every process already holds of its new shards (copied locally, never sent)."""
+    naive_bytes_in_place: int
+    """The same under the naive map: survivors by old rank take new ranks 0, 1, ..., then joiners."""
+
+    @property
+    def bytes_saved(self) -> int:
+        """Bytes that need not cross the network thanks to this assignment, compared with the naive one."""
+        return self.bytes_in_place - self.naive_bytes_in_place
+
+
+def assign_new_ranks(
+    tensors: Sequence[TensorMigration],
+    *,
+    old_world: int,
+    new_world: int,
+    survivors: Mapping[int, int],
+    joiners: Sequence[int] = (),
+    nodes: Mapping[int, Hashable] | None = None,
+) -> RankAssignment:
+    """Map new ranks onto processes so the most state stays where it is.
+
+    Args:
+        tensors: The state, with old and new geometry.
+        survivors: ``pid -> old rank`` for live processes that held state.
+        joiners: Pids of new processes (they hold nothing).
+        nodes: ``pid -> node`` (default: one node).
+
+    Greedy maximum-weight matching over the sparse (survivor, new rank) overlaps, heaviest first with ties broken
+    by (old rank, new rank); the result is never worse than the naive map (it falls back to it). Processes left
+    without a new rank leave (they still send). Cost: each survivor's pieces times the new pieces they overlap.
+    """
+    nodes = nodes or {}
+    candidates = len(survivors) + len(joiners)
+    if candidates < new_world:
+        raise PlanError(f"{candidates} processes cannot fill a new world of {new_world}")
+    weights = _overlap_bytes(tensors, survivors)
+    greedy = _greedy_assignment(weights, survivors, joiners, new_world)
+    naive = _naive_assignment(survivors, joiners, new_world)
+    greedy_bytes = sum(weights.get((pid, r), 0) for pid, r in greedy.items())
+    naive_bytes = sum(weights.get((pid, r), 0) for pid, r in naive.items())
+    chosen, kept = (greedy, greedy_bytes) if greedy_bytes > naive_bytes else (naive, naive_bytes)
+    procs = [
+        ProcessInfo(pid, nodes.get(pid, 0), survivors.get(pid), chosen.get(pid))
+        for pid in [*survivors, *joiners]
+    ]
+    identity = IdentityMap(tuple(procs), old_world, new_world)
+    return RankAssignment(identity, kept, naive_bytes)
+
+
+def _overlap_bytes(
+    tensors: Sequence[TensorMigration], survivors: Mapping[int, int]
+) -> dict[tuple[int, int], int]:
+    """Bytes each survivor already holds of each new rank's shards (only overlapping pairs appear)."""
+    weights: dict[tuple[int, int], int] = {}
+    for tensor in tensors:
+        for pid, old_rank in survivors.items():
+            holding = tensor.old.holding_of_rank(old_rank)
+            if holding is None:
+                continue
+            for piece in holding.pieces:
+                for target in tensor.new.sources(piece.global_box):
+                    common = piece.global_box.intersect(target.piece.global_box)
+                    if common is None:
+                        continue
+                    for new_rank in target.ranks:
+                        key = (pid, new_rank)
+                        weights[key] = weights.get(key, 0) + common.numel * tensor.itemsize
+    return weights
+
+
+def _greedy_assignment(
+    weights: Mapping[tuple[int, int], int],
+    survivors: Mapping[int, int],
+    joiners: Sequence[int],
+    new_world: int,
+) -> dict[int, int]:
+    chosen: dict[int, int] = {}
+    taken: set[int] = set()
+    for (pid, new_rank), _ in sorted(weights.items(), key=lambda kv: (-kv[1], survivors[kv[0][0]], kv[0][1])):
+        if pid not in chosen and new_rank not in taken:
+            chosen[pid] = new_rank
+            taken.add(new_rank)
+    # the rest overlaps nothing that is still free: fill ranks in order, survivors (by old rank) before joiners
+    waiting = [p for p in sorted(survivors, key=lambda p: survivors[p]) if p not in chosen] + list(joiners)
+    free = (r for r in range(new_world) if r not in taken)
+    for new_rank, pid in zip(free, waiting, strict=False):
+        chosen[pid] = new_rank
+    return chosen
+
+
+def _naive_assignment(survivors: Mapping[int, int], joiners: Sequence[int], new_world: int) -> dict[int, int]:
+    order = sorted(survivors, key=lambda p: survivors[p]) + list(joiners)
+    return {pid: new_rank for new_rank, pid in zip(range(new_world), order, strict=False)}
