@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from lightning_emig.layout import MeshAxis
 from lightning_emig.parallelize.fsdp import apply_fsdp, data_parallel_mesh
-from lightning_emig.parallelize.init import materialize_and_init, parameter_seed
+from lightning_emig.parallelize.init import materialize_and_init, materialize_empty, parameter_seed
 from lightning_emig.parallelize.tensor_parallel import apply_tensor_parallel
 
 if TYPE_CHECKING:
@@ -47,6 +47,7 @@ __all__ = [
     "apply_tensor_parallel",
     "data_parallel_mesh",
     "materialize_and_init",
+    "materialize_empty",
     "parallelize_model",
     "parameter_seed",
 ]

@@ -69,3 +69,14 @@ def materialize_and_init(model: ParallelizableModel, device: torch.device | str,
                 )
             local.copy_(piece)
         model.init_buffers()
+
+
+def materialize_empty(model: ParallelizableModel, device: torch.device | str) -> None:
+    """Allocate ``model``'s storage on ``device`` without initializing parameters (a migration fills them).
+
+    Non-persistent buffers, which are not migrated, are still computed.
+    """
+    module: nn.Module = model  # type: ignore[assignment]
+    module.to_empty(device=device)
+    with torch.no_grad():
+        model.init_buffers()

@@ -6,6 +6,7 @@ workers they spawned — is killed by id and none is left behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -34,8 +35,6 @@ def run_command(
         raise TimeoutError(f"{' '.join(cmd)} did not finish within {timeout_s:.0f}s; output:\n{out[-4000:]}") from None
     finally:
         # Workers that outlive their launcher are ours too.
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)

@@ -8,8 +8,14 @@ exactly when :func:`assert_states_equal` passes.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.distributed.tensor import DTensor
+
+# Gathering an FSDP-over-TP parameter takes two all-gathers and torch logs a warning each time; for a
+# test-only full gather that is expected, not news.
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 def _full(value: torch.Tensor) -> torch.Tensor:

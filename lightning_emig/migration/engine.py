@@ -1,0 +1,152 @@
+"""Migrate live training state between two layouts (and two worlds) over one process group.
+
+``migrate`` is the single entry point, for a layout change on the same processes and for a world change
+(processes that only send, processes that only receive). Every process of ``group`` calls it:
+
+1. agree on what moves: the old specs come from the lowest live old rank, the new specs from new rank 0
+   (one small broadcast each; a process that has no old or no new state learns it this way);
+2. plan locally (no communication: every process derives the same plan);
+3. transfer: local copies, then bucketed point-to-point rounds; old storage is released as it leaves;
+4. agree on success: one all-reduce of an error flag, so a checksum mismatch on any process fails every
+   process and no process continues on state that another rejected.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from lightning_emig.layout import HybridLayout
+from lightning_emig.migration.planner import (
+    IdentityMap,
+    PlanOptions,
+    RankPlan,
+    TensorMigration,
+    plan_for_rank,
+)
+from lightning_emig.migration.state import ShardingSpec, StateTensor
+from lightning_emig.migration.transfer import TransferOptions, TransferStats, run_transfer
+
+
+class MigrationFailedError(RuntimeError):
+    """The migration did not complete on every process; the new state must not be used."""
+
+
+@dataclass(slots=True)
+class MigrationReport:
+    plan: RankPlan
+    stats: TransferStats
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.stats.bytes_received
+
+
+def _broadcast_specs(
+    specs: dict[str, ShardingSpec] | None, src: int, group: dist.ProcessGroup | None
+) -> dict[str, ShardingSpec]:
+    box = [specs]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def _peer_counts(plan: RankPlan, identity: IdentityMap, group: dist.ProcessGroup | None) -> dict[int, int]:
+    """Every process's number of peers (one tiny all-gather): both ends of a pair need the same bucket size."""
+    counts = [0] * len(identity.pids)
+    dist.all_gather_object(counts, len(plan.peers), group=group)
+    return dict(zip(identity.pids, counts, strict=True))
+
+
+def _agree_on_success(error: BaseException | None, group: dist.ProcessGroup | None) -> None:
+    flag = torch.tensor([1 if error is not None else 0], dtype=torch.int64)
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, group=group)
+    if error is not None:
+        raise error
+    if int(flag.item()):
+        raise MigrationFailedError("migration failed on another process; the new state was not accepted")
+
+
+def migrate(
+    *,
+    old_state: dict[str, StateTensor] | None,
+    new_state: dict[str, StateTensor] | None,
+    old_layout: HybridLayout,
+    new_layout: HybridLayout,
+    identity: IdentityMap,
+    pid: int,
+    group: dist.ProcessGroup | None = None,
+    transfer: TransferOptions | None = None,
+    planning: PlanOptions | None = None,
+    release_old: bool = False,
+) -> MigrationReport:
+    """Move ``old_state`` (held under ``old_layout``) into ``new_state``'s tensors (under ``new_layout``).
+
+    ``old_state`` is None on a joiner, ``new_state`` None on a leaver. With ``release_old`` the storage of each
+    old tensor is freed as soon as nothing more is read from it (the old model must not be used afterwards).
+    """
+    me = identity.process(pid)
+    if (old_state is None) != (me.old_rank is None) or (new_state is None) != (me.new_rank is None):
+        raise ValueError(f"process {pid}: state given does not match its roles {me}")
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    old_src = identity.union_rank(min(p.pid for p in identity.processes if p.old_rank is not None))
+    new_src = identity.union_rank(identity.by_new_rank(0).pid)
+    old_specs = _broadcast_specs({k: t.spec for k, t in old_state.items()} if old_state else None, old_src, group)
+    new_specs = _broadcast_specs({k: t.spec for k, t in new_state.items()} if new_state else None, new_src, group)
+    tensors = _tensor_migrations(old_specs, new_specs, old_layout, new_layout)
+    seconds["agree"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    plan = plan_for_rank(tensors, identity, pid, planning or PlanOptions())
+    seconds["plan"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    peer_counts = _peer_counts(plan, identity, group)
+    old_locals = {k: t.local for k, t in (old_state or {}).items()}
+    new_locals = {k: t.local for k, t in (new_state or {}).items()}
+    error: BaseException | None = None
+    stats = TransferStats()
+    try:
+        stats = run_transfer(
+            plan, old_locals, new_locals, union_rank=identity.union_rank, peer_counts=peer_counts, group=group,
+            options=transfer or TransferOptions(), on_release=_releaser(old_locals) if release_old else None,
+        )
+    except Exception as exc:  # every process must learn about it before anyone continues
+        error = exc
+    _agree_on_success(error, group)
+    seconds["transfer"] = time.perf_counter() - start
+    return MigrationReport(plan=plan, stats=stats, seconds=seconds)
+
+
+def _tensor_migrations(
+    old_specs: dict[str, ShardingSpec], new_specs: dict[str, ShardingSpec], old: HybridLayout, new: HybridLayout
+) -> list[TensorMigration]:
+    if set(old_specs) != set(new_specs):
+        missing, extra = sorted(set(old_specs) - set(new_specs)), sorted(set(new_specs) - set(old_specs))
+        raise ValueError(
+            f"old and new state differ in tensors: only old {missing[:5]}, only new {extra[:5]}; the new model "
+            "and optimizer must have the same parameters and state as the old"
+        )
+    out = []
+    for key in sorted(old_specs):
+        a, b = old_specs[key], new_specs[key]
+        if a.dtype != b.dtype:
+            raise ValueError(f"{key}: dtype changes from {a.dtype} to {b.dtype}; migration does not cast")
+        out.append(TensorMigration(key, a.itemsize, a.on(old), b.on(new)))
+    return out
+
+
+def _releaser(old_locals: dict[str, torch.Tensor]):  # noqa: ANN202 - a small closure
+    def release(key: str) -> None:
+        tensor = old_locals.pop(key, None)
+        if tensor is not None and tensor.numel() > 0:
+            tensor.untyped_storage().resize_(0)
+
+    return release

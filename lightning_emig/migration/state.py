@@ -1,0 +1,119 @@
+"""The training state as migratable tensors: each one's name, sharding under a layout, and local storage.
+
+Keys are stable across layouts: ``param/<fqn>`` for parameters and ``optim/<fqn>/<state>`` for per-parameter
+optimizer state (TP and FSDP2 never rename parameters). Invariants:
+
+* a parameter-shaped optimizer state (AdamW's ``exp_avg``, ``exp_avg_sq``) has its parameter's sharding;
+* a scalar optimizer state (AdamW's ``step``) is held whole by every rank;
+* anything else (a state of another shape) is refused with :class:`UnsupportedStateError`, never guessed;
+* ``local`` is the tensor this rank actually trains with (``DTensor._local_tensor`` or the plain tensor), so
+  writing into it changes the live state without a copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from lightning_emig.layout import HybridLayout
+from lightning_emig.migration.geometry import TensorSharding
+
+
+class UnsupportedStateError(TypeError):
+    """Optimizer state that is neither parameter-shaped nor scalar: we cannot know how it is sharded."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShardingSpec:
+    """What it takes to place a tensor on any rank of a layout: picklable, so it can be broadcast."""
+
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+    mesh_dim_names: tuple[str, ...]
+    placements: tuple[object, ...]
+
+    def on(self, layout: HybridLayout) -> TensorSharding:
+        return TensorSharding.for_layout(self.global_shape, layout, self.mesh_dim_names, self.placements)
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True, slots=True)
+class StateTensor:
+    key: str
+    spec: ShardingSpec
+    local: torch.Tensor
+
+
+def spec_of(tensor: torch.Tensor) -> ShardingSpec:
+    if isinstance(tensor, DTensor):
+        names = tensor.device_mesh.mesh_dim_names
+        if names is None:
+            raise ValueError("a DTensor's mesh must have named axes to be migrated")
+        return ShardingSpec(tuple(tensor.shape), tensor.dtype, tuple(names), tuple(tensor.placements))
+    # A plain tensor is whole on every rank (no TP, no FSDP: e.g. one process, or a scalar state).
+    return ShardingSpec(tuple(tensor.shape), tensor.dtype, (), ())
+
+
+def local_of(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor  # noqa: SLF001 - in-place access
+
+
+def model_state(model: torch.nn.Module) -> Iterator[StateTensor]:
+    for name, param in model.named_parameters():
+        yield StateTensor(f"param/{name}", spec_of(param), local_of(param.data))
+
+
+def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[StateTensor]:
+    for name, param in model.named_parameters():
+        for key, value in optimizer.state.get(param, {}).items():
+            if not isinstance(value, torch.Tensor):
+                raise UnsupportedStateError(
+                    f"optimizer state {name}/{key} is a {type(value).__name__}, not a tensor; only tensor state "
+                    "(parameter-shaped or scalar) can be migrated"
+                )
+            if value.dim() == 0 or tuple(value.shape) == tuple(param.shape):
+                yield StateTensor(f"optim/{name}/{key}", spec_of(value), local_of(value))
+            else:
+                raise UnsupportedStateError(
+                    f"optimizer state {name}/{key} has shape {tuple(value.shape)}, neither the parameter's "
+                    f"{tuple(param.shape)} nor a scalar; this optimizer cannot be migrated"
+                )
+
+
+def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, StateTensor]:
+    tensors = list(model_state(model))
+    if optimizer is not None:
+        tensors += list(optimizer_state(model, optimizer))
+    return {t.key: t for t in tensors}
+
+
+def allocate_optimizer_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, template: dict[str, ShardingSpec]
+) -> dict[str, StateTensor]:
+    """Create empty optimizer state for ``model``'s new parameters, with the keys (and dtypes) of ``template``.
+
+    Parameter-shaped states take the new parameter's sharding (``empty_like`` of a DTensor keeps its mesh and
+    placements); scalars are plain tensors. The tensors are installed in ``optimizer.state`` so the optimizer
+    adopts them as they are once the transfer has filled them.
+    """
+    params = dict(model.named_parameters())
+    out: dict[str, StateTensor] = {}
+    for key, spec in template.items():
+        kind, rest = key.split("/", 1)
+        if kind != "optim":
+            continue
+        name, state_name = rest.rsplit("/", 1)
+        param = params[name]
+        if spec.global_shape == ():
+            value = torch.zeros((), dtype=spec.dtype, device=local_of(param).device)
+        else:
+            value = torch.empty_like(param.data, dtype=spec.dtype)
+        optimizer.state[param][state_name] = value
+        out[key] = StateTensor(key, spec_of(value), local_of(value))
+    return out
