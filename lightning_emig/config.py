@@ -10,7 +10,7 @@ This module keeps ``typing.Optional`` (not ``X | None``) because OmegaConf reads
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional  # noqa: UP035
+from typing import Any, List, Optional  # noqa: UP035
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -30,6 +30,23 @@ class LayoutSection:
     dp_shard: int = -1
     tp: int = 1
     pp: int = 1
+
+
+@dataclass(kw_only=True)
+class ScheduledLayout:
+    step: int
+    """Switch after this many optimizer steps have completed."""
+    layout: LayoutSection = field(default_factory=LayoutSection)
+
+
+@dataclass(kw_only=True)
+class ElasticSection:
+    schedule: List[ScheduledLayout] = field(default_factory=list)  # noqa: UP006
+    """Live layout changes at fixed steps, e.g. ``[{step: 50, layout: {tp: 2}}]``."""
+    bucket_mb: int = 256
+    """Memory budget of a migration's transfer buffers per process."""
+    checksum: bool = False
+    """CRC32 every migrated bucket and fail loudly on a mismatch."""
 
 
 @dataclass(kw_only=True)
@@ -87,6 +104,7 @@ class TrainConfig:
     trainer: TrainerSection = field(default_factory=TrainerSection)
     logger: LoggerSection = field(default_factory=LoggerSection)
     run: RunSection = field(default_factory=RunSection)
+    elastic: ElasticSection = field(default_factory=ElasticSection)
 
 
 def run_id() -> str:

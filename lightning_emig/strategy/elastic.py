@@ -15,8 +15,10 @@ What the strategy owns, and nothing more (elasticity stays inside this boundary,
 
 from __future__ import annotations
 
+import json
 import logging
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -25,6 +27,9 @@ from typing_extensions import override
 from lightning_emig.data.batching import BatchPlan
 from lightning_emig.data.loader import MicroBatchLoader
 from lightning_emig.layout import HybridLayout, LayoutMesh, build_mesh
+from lightning_emig.migration.transfer import DEFAULT_BUCKET_BYTES
+from lightning_emig.strategy.boundary import StepBoundaryHook, _at_step_boundary, restart_training_iterator
+from lightning_emig.strategy.reconfigure import ReconfigureEvent, reconfigure_live
 from lightning_emig.strategy.rng import gather_rng_states, restore_rng_for_rank
 
 if TYPE_CHECKING:
@@ -48,6 +53,8 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         process_group_backend: ``gloo`` or ``nccl``; by default nccl on CUDA and gloo on CPU.
         timeout: Timeout of every collective (gloo has no abort; a dead peer must surface as an error).
         seed: Seed used to re-derive RNG states for ranks that have no saved state after a world change.
+        bucket_bytes: Memory budget of a migration's transfer buffers per process (default 256 MiB).
+        checksum: Verify every migrated bucket with a CRC32 (costs a pass over the bytes on both ends).
     """
 
     def __init__(
@@ -59,6 +66,8 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta = timedelta(minutes=10),
         seed: int = 0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        checksum: bool = False,
     ) -> None:
         super().__init__(
             data_parallel_size=1,
@@ -76,6 +85,12 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         self._layout_mesh: LayoutMesh | None = None
         self._batch_plan: BatchPlan | None = None
         self._loaders: list[MicroBatchLoader] = []
+        self.bucket_bytes = bucket_bytes
+        self.checksum = checksum
+        self.migrating = False
+        """True while ``configure_model`` runs for a migration: it may skip initialisation."""
+        self.events: list[ReconfigureEvent] = []
+        self._pending_layout: HybridLayout | None = None
 
     # ------------------------------------------------------------------ layout
     @property
@@ -99,22 +114,76 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         # Skip ModelParallelStrategy's 2-D mesh: ours is built from the layout.
         self._setup_distributed()
         layout = self._requested_layout.resolve(self.world_size)
-        self._layout_mesh = build_mesh(layout, self.root_device.type)
-        self._device_mesh = self._layout_mesh.root
-        self._batch_plan = BatchPlan(
-            global_batch_size=self.global_batch_size,
-            micro_batch_size=self.micro_batch_size,
-            dp_degree=layout.dp,
+        plan = BatchPlan(
+            global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size, dp_degree=layout.dp
         )
+        self._install_mesh(build_mesh(layout, self.root_device.type), plan)
+
+    def _install_mesh(self, layout_mesh: LayoutMesh, plan: BatchPlan) -> None:
+        self._layout_mesh = layout_mesh
+        self._device_mesh = layout_mesh.root
+        self._batch_plan = plan
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
         if self.global_rank == 0:
-            log.info("layout %s on %d processes; %s", layout.describe(), self.world_size, self._batch_plan.describe())
+            log.info("layout %s on %d processes; %s", layout_mesh.layout.describe(), self.world_size, plan.describe())
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self._apply_gradient_accumulation(trainer)
+        if not any(isinstance(cb, StepBoundaryHook) for cb in trainer.callbacks):
+            trainer.callbacks.append(StepBoundaryHook())
         super().setup(trainer)
+
+    # ---------------------------------------------------------- reconfigure
+    def reconfigure(self, layout: HybridLayout | dict[str, int]) -> None:
+        """Switch to ``layout`` live, on the same processes, at the next optimizer-step boundary.
+
+        Called from a callback's ``on_train_batch_end`` right after a step, it happens at once; called elsewhere
+        (mid-accumulation, from another hook), it is deferred to the end of the current step. Every rank must
+        call it with the same layout. Parameters and optimizer state move point to point, bit for bit; the
+        global batch, the data position, the LR schedule and the step counter carry on.
+        """
+        if isinstance(layout, dict):
+            layout = HybridLayout(**layout)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.training:
+            raise RuntimeError("reconfigure(layout) works during Trainer.fit; change the layout argument instead")
+        self._pending_layout = layout
+        if _at_step_boundary(trainer):
+            self.apply_pending_reconfigure(trainer)
+
+    def apply_pending_reconfigure(self, trainer: pl.Trainer) -> None:
+        layout, self._pending_layout = self._pending_layout, None
+        if layout is None:
+            return
+        event = reconfigure_live(self, trainer, layout)
+        if event is not None:
+            self._record_event(trainer, event)
+
+    def _record_event(self, trainer: pl.Trainer, event: ReconfigureEvent) -> None:
+        self.events.append(event)
+        if self.global_rank != 0:
+            return
+        record = event.as_dict()
+        log.warning(
+            "reconfigured at step %d: %s -> %s, %.1f MB moved in %.3fs (%s)",
+            event.step, HybridLayout(**event.old_layout).describe(), HybridLayout(**event.new_layout).describe(),
+            event.bytes_moved / 1e6, record["total_seconds"],
+            ", ".join(f"{k} {v:.3f}s" for k, v in event.seconds.items()),
+        )
+        path = Path(trainer.default_root_dir) / "events.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def _restart_data(self, trainer: pl.Trainer) -> None:
+        """After a layout change: new accumulation, new data-parallel coordinate, fresh data iterator."""
+        old_accumulation = trainer.accumulate_grad_batches
+        trainer.accumulate_grad_batches = self.batch_plan.grad_accumulation
+        for loader in self._loaders:
+            loader.stream.set_topology(self.layout.dp, self.layout_mesh.dp_rank)
+        restart_training_iterator(trainer, old_accumulation)
 
     def _apply_gradient_accumulation(self, trainer: pl.Trainer) -> None:
         requested = trainer.accumulate_grad_batches

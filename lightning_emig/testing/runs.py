@@ -61,3 +61,11 @@ def fit(cfg: TrainConfig, run_dir: Path, ckpt_path: str | None = None) -> RunPar
 def step_losses(parts: RunParts) -> list[float]:
     losses: dict[int, Any] = parts.module.step_losses
     return [losses[k] for k in sorted(losses)]
+
+
+def with_schedule(cfg: TrainConfig, schedule: list[tuple[int, dict[str, int]]]) -> TrainConfig:
+    """Add live layout changes after the given optimizer steps (what ``elastic.schedule`` does)."""
+    from lightning_emig.config import LayoutSection, ScheduledLayout
+
+    cfg.elastic.schedule = [ScheduledLayout(step=step, layout=LayoutSection(**layout)) for step, layout in schedule]
+    return cfg

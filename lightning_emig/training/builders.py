@@ -23,6 +23,7 @@ from lightning_emig.data.sampler import GlobalOffsetSampler
 from lightning_emig.data.stream import MicroBatchStream
 from lightning_emig.layout import HybridLayout
 from lightning_emig.strategy import ElasticMigrationStrategy
+from lightning_emig.strategy.schedule import LayoutSchedule
 from lightning_emig.training.module import LlamaLightningModule
 from lightning_emig.training.optim import OptimConfig
 from lightning_emig.training.progress import StepProgressBar
@@ -60,7 +61,15 @@ def build_strategy(cfg: TrainConfig) -> ElasticMigrationStrategy:
         micro_batch_size=cfg.trainer.micro_batch_size,
         timeout=timedelta(seconds=cfg.trainer.pg_timeout_s),
         seed=cfg.trainer.seed,
+        bucket_bytes=cfg.elastic.bucket_mb << 20,
+        checksum=cfg.elastic.checksum,
     )
+
+
+def build_schedule(cfg: TrainConfig) -> LayoutSchedule | None:
+    if not cfg.elastic.schedule:
+        return None
+    return LayoutSchedule([(item.step, HybridLayout(**_section_dict(item.layout))) for item in cfg.elastic.schedule])
 
 
 def build_loggers(cfg: TrainConfig, run_dir: Path) -> list[Logger]:
@@ -84,6 +93,7 @@ def build_loggers(cfg: TrainConfig, run_dir: Path) -> list[Logger]:
 
 
 def build_run(cfg: TrainConfig, run_dir: Path) -> RunParts:
+    _check_sequence_fits_model(cfg)
     devices, num_nodes = _process_topology(cfg)
     strategy = build_strategy(cfg)
     module = LlamaLightningModule(
@@ -109,7 +119,7 @@ def build_run(cfg: TrainConfig, run_dir: Path) -> RunParts:
         precision=cfg.trainer.precision,  # type: ignore[arg-type]
         max_steps=cfg.trainer.max_steps,
         logger=build_loggers(cfg, run_dir),
-        callbacks=[checkpoint, StepProgressBar()] if cfg.trainer.progress_bar else [checkpoint],
+        callbacks=_callbacks(cfg, checkpoint),
         enable_progress_bar=cfg.trainer.progress_bar,
         log_every_n_steps=1,
         limit_val_batches=0,
@@ -117,6 +127,16 @@ def build_run(cfg: TrainConfig, run_dir: Path) -> RunParts:
         default_root_dir=str(run_dir),
     )
     return RunParts(trainer, module, build_loader(cfg), strategy, run_dir)
+
+
+def _callbacks(cfg: TrainConfig, checkpoint: ModelCheckpoint) -> list[Any]:
+    callbacks: list[Any] = [checkpoint]
+    if cfg.trainer.progress_bar:
+        callbacks.append(StepProgressBar())
+    schedule = build_schedule(cfg)
+    if schedule is not None:
+        callbacks.append(schedule)
+    return callbacks
 
 
 def resolve_resume(cfg: TrainConfig, run_dir: Path) -> str | None:
@@ -130,6 +150,17 @@ def resolve_resume(cfg: TrainConfig, run_dir: Path) -> str | None:
     if not Path(resume).exists():
         raise FileNotFoundError(f"run.resume={resume!r} does not exist")
     return resume
+
+
+def _check_sequence_fits_model(cfg: TrainConfig) -> None:
+    from lightning_emig.models.llama import get_model_config
+
+    max_len = get_model_config(cfg.model.size).max_seq_len
+    if cfg.data.seq_len > max_len:
+        raise ValueError(
+            f"data.seq_len={cfg.data.seq_len} exceeds model {cfg.model.size!r}'s max_seq_len={max_len}; "
+            f"lower data.seq_len"
+        )
 
 
 def _process_topology(cfg: TrainConfig) -> tuple[int, int]:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_emig.models.llama import Llama, causal_lm_loss, get_model_config
-from lightning_emig.parallelize import materialize_and_init, parallelize_model
+from lightning_emig.parallelize import materialize_and_init, materialize_empty, parallelize_model
 from lightning_emig.training.optim import OptimConfig, build_adamw, build_warmup_cosine
 
 
@@ -59,7 +59,11 @@ class LlamaLightningModule(pl.LightningModule):
         with torch.device("meta"):
             model = Llama(self.model_config)
         model = parallelize_model(model, layout_mesh)
-        materialize_and_init(model, self.trainer.strategy.root_device, seed=self.seed)
+        if getattr(self.trainer.strategy, "migrating", False):
+            # A live layout change overwrites every parameter: initialising first would be wasted work.
+            materialize_empty(model, self.trainer.strategy.root_device)
+        else:
+            materialize_and_init(model, self.trainer.strategy.root_device, seed=self.seed)
         self.model = model
 
     @override

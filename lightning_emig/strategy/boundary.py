@@ -1,0 +1,62 @@
+"""Optimizer-step boundaries inside Lightning's fit loop, and restarting the data iterator at one.
+
+Lightning offers no "between two optimizer steps" hook, so the strategy installs :class:`StepBoundaryHook`:
+its ``on_train_batch_end`` runs after the optimizer step and the LR-scheduler step of the batch that closed an
+accumulation window, which is where a pending layout change is applied.
+
+Two pieces of Lightning's loop state must follow a layout change, and are touched only here (private
+attributes of Lightning 2.6, pinned by the reconfigure tests):
+
+* the training data fetcher has already prefetched the next micro-batch for the *old* data-parallel
+  coordinate: its iterator is rebuilt so the stream restarts at the committed global offset;
+* Lightning steps when ``batch_progress.current.ready % accumulate_grad_batches == 0``: when the accumulation
+  changes, the micro-batch counters are re-expressed as "steps done x new accumulation" so the next step
+  still closes after exactly the new number of micro-batches.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+
+def _at_step_boundary(trainer: pl.Trainer) -> bool:
+    """True inside ``on_train_batch_end`` of a batch whose optimizer step has run (or before the first batch)."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    batch_done = progress.processed == progress.ready
+    return batch_done and progress.ready % trainer.accumulate_grad_batches == 0
+
+
+def restart_training_iterator(trainer: pl.Trainer, old_accumulation: int) -> None:
+    epoch_loop = trainer.fit_loop.epoch_loop
+    progress = epoch_loop.batch_progress.current
+    steps_done = progress.ready // old_accumulation
+    micro_batches = steps_done * trainer.accumulate_grad_batches
+    in_batch_end = progress.completed < progress.processed  # Lightning completes the batch after the hooks
+    progress.ready = progress.started = progress.processed = micro_batches
+    progress.completed = micro_batches - 1 if in_batch_end else micro_batches
+
+    fetcher: Any = trainer.fit_loop._data_fetcher
+    if fetcher is None or fetcher.iterator is None:
+        return  # not iterating yet: the first iter() will read the new topology
+    if hasattr(fetcher, "batches"):
+        fetcher.batches.clear()  # prefetched for the old data-parallel coordinate
+    iter(fetcher)
+    fetcher.fetched += micro_batches
+
+
+class StepBoundaryHook(Callback):
+    """Applies a layout change requested through ``strategy.reconfigure`` at the end of the current step."""
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        strategy: Any = trainer.strategy
+        if getattr(strategy, "_pending_layout", None) is not None and _at_step_boundary(trainer):
+            strategy.apply_pending_reconfigure(trainer)

@@ -1,0 +1,168 @@
+"""Live layout change inside a running ``Trainer.fit``, at an optimizer-step boundary, on the same processes.
+
+The steps, in order (each timed into the event):
+
+1. ``validate``: resolve the layout for the world, check the model accepts it and the global batch still
+   divides — before anything is touched, so a bad request changes nothing;
+2. ``mesh``: build the new DeviceMesh on the existing process group;
+3. ``build``: drop the module's child modules and call its ``configure_model`` again under the new mesh, with
+   ``strategy.migrating`` set so it may skip initialisation (the migration overwrites every parameter);
+4. ``optimizers``: call ``configure_optimizers`` for the new parameters, allocate the optimizer state;
+5. ``transfer``: :func:`lightning_emig.migration.engine.migrate` moves parameters and optimizer state;
+6. ``restore``: optimizer hyper-parameters and scheduler state, gradient accumulation, data topology, the
+   data fetcher's iterator (its prefetched batch belonged to the old layout) and the batch counters.
+
+What a LightningModule must do to be re-laid-out: build its model in ``configure_model`` from
+``self.trainer.strategy.layout_mesh`` whenever its model attribute is ``None`` (the strategy sets every direct
+child module to ``None`` first), and hold no other reference to old parameters.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from lightning_emig.data.batching import BatchPlan
+from lightning_emig.layout import HybridLayout, build_mesh
+from lightning_emig.migration.engine import migrate
+from lightning_emig.migration.planner import IdentityMap
+from lightning_emig.migration.state import allocate_optimizer_state, training_state
+from lightning_emig.migration.transfer import TransferOptions
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_emig.strategy.elastic import ElasticMigrationStrategy
+
+
+@dataclass(slots=True)
+class ReconfigureEvent:
+    """One structured record of a layout change (what issue trackers and dashboards read)."""
+
+    kind: str
+    step: int
+    old_layout: dict[str, int]
+    new_layout: dict[str, int]
+    old_world: int
+    new_world: int
+    bytes_moved: int = 0
+    bytes_copied_locally: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind, "step": self.step, "old_layout": self.old_layout, "new_layout": self.new_layout,
+            "old_world": self.old_world, "new_world": self.new_world, "bytes_moved": self.bytes_moved,
+            "bytes_copied_locally": self.bytes_copied_locally, "seconds": self.seconds,
+            "total_seconds": sum(self.seconds.values()),
+        }
+
+
+class _Timer:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+        self._last = now
+
+
+def reconfigure_live(
+    strategy: ElasticMigrationStrategy, trainer: pl.Trainer, requested: HybridLayout
+) -> ReconfigureEvent | None:
+    """Switch ``strategy`` to ``requested`` now; returns the event, or None when the layout is unchanged."""
+    timer = _Timer()
+    module = strategy.lightning_module
+    assert module is not None
+    old_layout = strategy.layout
+    new_layout = requested.resolve(strategy.world_size)
+    if new_layout == old_layout:
+        return None
+    _validate(module, new_layout)
+    new_plan = BatchPlan(strategy.global_batch_size, strategy.micro_batch_size, new_layout.dp)
+    timer.lap("validate")
+
+    old_optimizer = strategy.optimizers[0]
+    # The LightningModule is the root: its parameter names are stable whatever its children are rebuilt as.
+    old_state = training_state(module, old_optimizer)
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in old_optimizer.param_groups]
+    schedulers = [cfg.scheduler.state_dict() for cfg in strategy.lr_scheduler_configs]
+
+    strategy._install_mesh(build_mesh(new_layout, strategy.root_device.type), new_plan)
+    timer.lap("mesh")
+
+    _rebuild_model(strategy, module)
+    timer.lap("build")
+
+    strategy.setup_optimizers(trainer)
+    new_optimizer = strategy.optimizers[0]
+    new_state = training_state(module, None)
+    optim_template = {k: t.spec for k, t in old_state.items() if k.startswith("optim/")}
+    new_state.update(allocate_optimizer_state(module, new_optimizer, optim_template))
+    timer.lap("optimizers")
+
+    report = migrate(
+        old_state=old_state, new_state=new_state, old_layout=old_layout, new_layout=new_layout,
+        identity=IdentityMap.same_processes(strategy.world_size), pid=strategy.global_rank,
+        transfer=TransferOptions(bucket_bytes=strategy.bucket_bytes, checksum=strategy.checksum),
+        release_old=True,
+    )
+    del old_state, old_optimizer
+    gc.collect()
+    timer.lap("transfer")
+
+    _restore_optimizer_settings(strategy, hyper, schedulers)
+    strategy._restart_data(trainer)
+    timer.lap("restore")
+    return ReconfigureEvent(
+        kind="reconfigure", step=trainer.global_step, old_layout=old_layout.as_dict(),
+        new_layout=new_layout.as_dict(), old_world=strategy.world_size, new_world=strategy.world_size,
+        bytes_moved=report.stats.bytes_received, bytes_copied_locally=report.stats.bytes_copied,
+        seconds=timer.seconds,
+    )
+
+
+def _validate(module: Any, layout: HybridLayout) -> None:
+    config = getattr(module, "model_config", None)
+    if config is not None:
+        layout.validate_for_model(
+            n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, ffn_hidden=config.ffn_hidden,
+            n_layers=config.n_layers,
+        )
+    if layout.pp > 1:
+        raise NotImplementedError(f"pipeline parallelism (pp>1) is not yet supported; got {layout.describe()}")
+
+
+def _rebuild_model(strategy: ElasticMigrationStrategy, module: Any) -> None:
+    for name, _ in list(module.named_children()):
+        setattr(module, name, None)
+    gc.collect()
+    strategy.migrating = True
+    try:
+        module.configure_model()
+    finally:
+        strategy.migrating = False
+    if not any(True for _ in module.parameters()):
+        raise RuntimeError(
+            "configure_model built no parameters after the strategy reset the model: it must rebuild the model "
+            "whenever its model attribute is None (see lightning_emig.strategy.reconfigure)"
+        )
+
+
+def _restore_optimizer_settings(
+    strategy: ElasticMigrationStrategy, hyper: list[dict[str, Any]], schedulers: list[dict[str, Any]]
+) -> None:
+    optimizer = strategy.optimizers[0]
+    if len(optimizer.param_groups) != len(hyper):
+        raise RuntimeError(
+            f"configure_optimizers made {len(optimizer.param_groups)} parameter groups after the layout change, "
+            f"{len(hyper)} before; they must match"
+        )
+    for group, saved in zip(optimizer.param_groups, hyper, strict=True):
+        group.update(saved)
+    for cfg, state in zip(strategy.lr_scheduler_configs, schedulers, strict=True):
+        cfg.scheduler.load_state_dict(state)

@@ -1,0 +1,74 @@
+"""Live ``strategy.reconfigure(layout)`` inside ``Trainer.fit`` on the same processes.
+
+Tolerance: the reconfigured run replays the uninterrupted run's arithmetic except for reduction order under
+the temporary layouts (TP partial sums, HSDP all-reduce), so per-step losses agree to LOSS_RTOL (the same
+bound as the static-layout comparison in test_training.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lightning_emig.testing.distributed import WorkerFailed, run_distributed
+from lightning_emig.testing.runs import fit, step_losses, tiny_config, with_schedule
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 30
+LOSS_RTOL = 1e-4
+SCHEDULE = [(10, {"dp_shard": 2, "tp": 2}), (20, {"dp_replicate": 2, "dp_shard": 2})]
+
+
+def _run(rank: int, world: int, root: str, scheduled: bool) -> dict[str, object]:
+    cfg = tiny_config(layout={"dp_shard": 4}, max_steps=STEPS, world_size=world)
+    if scheduled:
+        with_schedule(cfg, SCHEDULE)
+    parts = fit(cfg, Path(root))
+    scheduler = parts.trainer.lr_scheduler_configs[0].scheduler
+    return {
+        "losses": step_losses(parts),
+        "events": [event.as_dict() for event in parts.strategy.events],
+        "offset": parts.loader.state_dict()["sampler"]["offset"],
+        "scheduler_epoch": scheduler.last_epoch,
+        "lr": parts.trainer.optimizers[0].param_groups[0]["lr"],
+        "accumulation": parts.trainer.accumulate_grad_batches,
+        "layout": parts.strategy.layout.as_dict(),
+    }
+
+
+def test_two_live_reconfigures_follow_the_uninterrupted_loss_curve(tmp_path: Path) -> None:
+    reference = run_distributed(_run, 4, str(tmp_path / "ref"), False, timeout_s=300)[0]
+    results = run_distributed(_run, 4, str(tmp_path / "live"), True, timeout_s=300)
+    live = results[0]
+    assert len(live["losses"]) == STEPS
+    gaps = [abs(a - b) / abs(b) for a, b in zip(live["losses"], reference["losses"], strict=True)]
+    assert max(gaps) < LOSS_RTOL, f"loss deviates by {max(gaps):.2e} from the uninterrupted run"
+    # Same data position, same LR schedule position, same step count: training carried on, not restarted.
+    assert live["offset"] == reference["offset"] == STEPS * 8
+    assert live["scheduler_epoch"] == reference["scheduler_epoch"] == STEPS
+    assert live["lr"] == pytest.approx(reference["lr"], rel=1e-12)
+    assert live["layout"] == {"dp_replicate": 2, "dp_shard": 2, "tp": 1, "pp": 1}
+    assert live["accumulation"] == 1
+    # One event per change, on every rank, with the bytes that moved.
+    assert [e["step"] for e in live["events"]] == [10, 20]
+    assert all(e["bytes_moved"] > 0 for e in live["events"])
+    assert all(r["events"] and len(r["events"]) == 2 for r in results)
+    lines = (tmp_path / "live" / "events.jsonl").read_text().splitlines()
+    assert [json.loads(line)["new_layout"] for line in lines] == [
+        {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 1},
+        {"dp_replicate": 2, "dp_shard": 2, "tp": 1, "pp": 1},
+    ]
+
+
+def _impossible(rank: int, world: int, root: str) -> None:
+    cfg = with_schedule(tiny_config(layout={"dp_shard": 2}, max_steps=4, world_size=world), [(2, {"tp": 3})])
+    fit(cfg, Path(root))
+
+
+def test_an_impossible_layout_fails_loudly(tmp_path: Path) -> None:
+    # Raised while validating, before any state is touched.
+    with pytest.raises(WorkerFailed, match="LayoutError: cannot fill dp_shard=-1: .* does not divide the world size 2"):
+        run_distributed(_impossible, 2, str(tmp_path), timeout_s=120)
