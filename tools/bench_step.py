@@ -66,9 +66,16 @@ def _lightning_baseline_module(model_size: str, seed: int) -> Any:
             materialize_and_init(model, self.trainer.strategy.root_device, seed=self.seed)
             self.model = model
 
-        def _global_batch_loss(self) -> float:  # the baseline has no layout mesh; the loss is not compared
+        def _global_batch_loss(self) -> float:
+            # The same per-step loss all-reduce as ours, over Lightning's data-parallel group: equal work.
+            import torch.distributed as dist
+
+            assert self._loss_sum is not None
+            mean = self._loss_sum / self._micro_batches
+            group = self.device_mesh["data_parallel"].get_group()
+            dist.all_reduce(mean, group=group)
             self._loss_sum, self._micro_batches = None, 0
-            return 0.0
+            return float(mean) / dist.get_world_size(group)
 
     return BaselineModule(model_size=model_size, seed=seed, max_steps=10_000)
 
