@@ -1,0 +1,316 @@
+"""Generations of the world, as the launcher publishes them to live workers (the worker-facing API).
+
+A *generation* is one membership of the job: which processes exist, their global ranks, and the address of
+the store that process group is formed on. ``lightning-emig-run`` starts every worker in some generation
+and, when nodes join a healthy job, publishes the next generation to the workers that keep running.
+
+Environment of every worker (besides torchrun's own ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...; those
+describe the generation the worker *started* in and go stale after a live change):
+
+* ``LIGHTNING_EMIG_NODE_ID``: stable id of the worker's agent (its node) for the agent's whole life,
+  ``"<local addr>_<agent pid>"``. A worker's identity across generations is ``(node_id, LOCAL_RANK)``.
+* ``LIGHTNING_EMIG_CONTROL_STORE``: ``host:port`` of the control store, the c10d rendezvous store at the
+  rendezvous endpoint; workers open it as a client (:func:`control_client_from_env`).
+* ``LIGHTNING_EMIG_CONTROL_PREFIX``: every key below lives under it, ``"lightning_emig/<run_id>/"``.
+* ``LIGHTNING_EMIG_GENERATION``: the generation the worker starts in (``0`` for the first).
+* ``LIGHTNING_EMIG_JOIN_LIVE``: ``"1"`` when the worker starts into a generation in which other workers
+  kept running (they hold the live state; this worker must receive it), else ``"0"``.
+
+Keys under the prefix (the control store), for generation ``n``:
+
+* ``gen/<n>/node/<group_rank>``: JSON ``{"node_id", "ranks", "kept_workers"}``, one per agent of the
+  rendezvous round; ``ranks[local_rank]`` is that worker's global rank; ``kept_workers`` says its workers
+  carried over from the previous generation (the live path) instead of being started.
+* ``gen/<n>/world``: JSON ``{"format", "world_size", "master_addr", "master_port", "num_nodes",
+  "rendezvous_seconds"}``. The new process group is formed on a ``TCPStore`` at ``master_addr:master_port``
+  that the generation's global rank 0 hosts (``is_master=True``), under ``PrefixStore(f"gen{n}")``.
+* ``latest_generation``: ``str(n)``, written *after* the node entries and ``world``; a reader that sees
+  ``latest_generation >= n`` always finds generation ``n`` complete.
+* ``gen/<n>/restarting``: set by an agent whose workers failed, before it re-enters the rendezvous for
+  torchrun's restart path; healthy agents that then see nodes waiting restart too (torchrun's behaviour
+  for failures) instead of carrying their workers over.
+* ``generation_counter``: the rank-0 agent takes each new number from it (``add(1) - 1``).
+
+One writer: each agent leaves its node entry in the rendezvous round's own store; the round's rank-0 agent
+gathers them, validates them, writes the generation's keys (``latest_generation`` last), and hands the number back to the round's agents
+through the round's store. A live round that changes nothing (every node kept its workers, every worker
+keeps its rank: with torch's 1 s rendezvous polling a joining node can miss a short ``last_call_timeout``)
+publishes nothing and keeps the current number, so workers never see a no-op generation.
+
+Invariants: generation numbers only grow; every rendezvous round (live change or torchrun restart) is one
+generation, except a live round that changes nothing; a published generation is never rewritten; its ranks
+are a permutation of ``range(world_size)`` and its node ids distinct (checked before publishing and again
+when read).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
+ENV_NODE_ID = "LIGHTNING_EMIG_NODE_ID"
+ENV_CONTROL_STORE = "LIGHTNING_EMIG_CONTROL_STORE"
+ENV_CONTROL_PREFIX = "LIGHTNING_EMIG_CONTROL_PREFIX"
+ENV_GENERATION = "LIGHTNING_EMIG_GENERATION"
+ENV_JOIN_LIVE = "LIGHTNING_EMIG_JOIN_LIVE"
+
+LATEST_GENERATION_KEY = "latest_generation"
+GENERATION_COUNTER_KEY = "generation_counter"
+FORMAT_VERSION = 1
+
+
+class GenerationError(RuntimeError):
+    """A generation is missing, malformed or inconsistent, or the environment is not a launcher's."""
+
+
+def control_prefix(run_id: str) -> str:
+    return f"lightning_emig/{run_id}/"
+
+
+def world_key(generation: int) -> str:
+    return f"gen/{generation}/world"
+
+
+def node_key(generation: int, group_rank: int) -> str:
+    return f"gen/{generation}/node/{group_rank}"
+
+
+def restart_key(generation: int) -> str:
+    return f"gen/{generation}/restarting"
+
+
+def store_prefix(generation: int) -> str:
+    """The ``PrefixStore`` prefix a generation's process group is formed under."""
+    return f"gen{generation}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeEntry:
+    """One agent (node) of a generation."""
+
+    node_id: str
+    """Stable id of the agent, ``LIGHTNING_EMIG_NODE_ID`` of its workers."""
+    ranks: tuple[int, ...]
+    """Global rank of the worker with each local rank."""
+    kept_workers: bool
+    """The node's workers carried over from the previous generation (live path) rather than started."""
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {"node_id": self.node_id, "ranks": list(self.ranks), "kept_workers": self.kept_workers}
+        ).encode()
+
+    @staticmethod
+    def decode(data: bytes) -> NodeEntry:
+        raw = _loads(data, "node entry")
+        return NodeEntry(
+            node_id=str(raw["node_id"]), ranks=tuple(int(r) for r in raw["ranks"]),
+            kept_workers=bool(raw["kept_workers"]),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GenerationInfo:
+    """One published generation: who is in the world, with which rank, and where to form the group."""
+
+    generation: int
+    world_size: int
+    master_addr: str
+    """Host of the generation's TCPStore; its global rank 0 hosts it."""
+    master_port: int
+    nodes: tuple[NodeEntry, ...]
+    """In group-rank order of the rendezvous round."""
+    rendezvous_seconds: float = 0.0
+    """How long the rank-0 agent spent from entering the round to publishing it."""
+    _rank_table: dict[tuple[str, int], int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.generation < 0 or self.world_size < 1:
+            raise GenerationError(f"bad generation {self.generation} / world size {self.world_size}")
+        table: dict[tuple[str, int], int] = {}
+        for node in self.nodes:
+            for local_rank, rank in enumerate(node.ranks):
+                if (node.node_id, local_rank) in table:
+                    raise GenerationError(f"generation {self.generation}: node {node.node_id!r} appears twice")
+                table[(node.node_id, local_rank)] = rank
+        if sorted(table.values()) != list(range(self.world_size)):
+            raise GenerationError(
+                f"generation {self.generation}: ranks {sorted(table.values())} are not a permutation of "
+                f"range({self.world_size})"
+            )
+        object.__setattr__(self, "_rank_table", table)
+
+    @property
+    def live(self) -> bool:
+        """Some workers of this generation kept running from the previous one (they hold the state)."""
+        return any(node.kept_workers for node in self.nodes)
+
+    @property
+    def store_prefix(self) -> str:
+        return store_prefix(self.generation)
+
+    def rank_of(self, node_id: str, local_rank: int) -> int:
+        """Global rank of the worker ``(node_id, local_rank)`` in this generation."""
+        try:
+            return self._rank_table[(node_id, local_rank)]
+        except KeyError:
+            raise GenerationError(
+                f"worker ({node_id!r}, local rank {local_rank}) is not part of generation {self.generation}; "
+                f"members: {sorted(self._rank_table)}"
+            ) from None
+
+    def encode_world(self) -> bytes:
+        return json.dumps({
+            "format": FORMAT_VERSION, "world_size": self.world_size, "master_addr": self.master_addr,
+            "master_port": self.master_port, "num_nodes": len(self.nodes),
+            "rendezvous_seconds": self.rendezvous_seconds,
+        }).encode()
+
+    @staticmethod
+    def decode(generation: int, world: bytes, nodes: Sequence[bytes]) -> GenerationInfo:
+        raw = _loads(world, "world entry")
+        if raw.get("format") != FORMAT_VERSION:
+            raise GenerationError(f"generation {generation}: format {raw.get('format')!r}, expected {FORMAT_VERSION}")
+        if int(raw["num_nodes"]) != len(nodes):
+            raise GenerationError(f"generation {generation}: {len(nodes)} node entries, world says {raw['num_nodes']}")
+        return GenerationInfo(
+            generation=generation, world_size=int(raw["world_size"]), master_addr=str(raw["master_addr"]),
+            master_port=int(raw["master_port"]), nodes=tuple(NodeEntry.decode(n) for n in nodes),
+            rendezvous_seconds=float(raw["rendezvous_seconds"]),
+        )
+
+
+def _loads(data: bytes, what: str) -> dict:
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise GenerationError(f"malformed {what}: {data[:200]!r}") from exc
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerIdentity:
+    """Who this worker is across generations, from the environment the launcher gave it."""
+
+    node_id: str
+    local_rank: int
+    generation: int
+    """The generation the worker started in."""
+    join_live: bool
+    """Started into a generation where other workers kept running: receive state, do not initialise it."""
+    control_host: str
+    control_port: int
+    control_prefix: str
+
+
+def parse_host_port(address: str) -> tuple[str, int]:
+    """``"host:port"`` (or ``"[v6]:port"``) -> ``(host, port)``."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise GenerationError(f"expected host:port, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def current_identity_from_env(env: Mapping[str, str] | None = None) -> WorkerIdentity:
+    env = os.environ if env is None else env
+    missing = [k for k in (ENV_NODE_ID, ENV_CONTROL_STORE, ENV_CONTROL_PREFIX, ENV_GENERATION, "LOCAL_RANK")
+               if k not in env]
+    if missing:
+        raise GenerationError(
+            f"{', '.join(missing)} not set: this process was not started by lightning-emig-run "
+            "(plain torchrun has no live membership changes)"
+        )
+    host, port = parse_host_port(env[ENV_CONTROL_STORE])
+    return WorkerIdentity(
+        node_id=env[ENV_NODE_ID], local_rank=int(env["LOCAL_RANK"]), generation=int(env[ENV_GENERATION]),
+        join_live=env.get(ENV_JOIN_LIVE, "0") == "1", control_host=host, control_port=port,
+        control_prefix=env[ENV_CONTROL_PREFIX],
+    )
+
+
+def worker_env(
+    *, node_id: str, control_address: str, prefix: str, generation: int, join_live: bool
+) -> dict[str, str]:
+    """The launcher's part of a worker's environment (the inverse of :func:`current_identity_from_env`)."""
+    return {
+        ENV_NODE_ID: node_id, ENV_CONTROL_STORE: control_address, ENV_CONTROL_PREFIX: prefix,
+        ENV_GENERATION: str(generation), ENV_JOIN_LIVE: "1" if join_live else "0",
+    }
+
+
+def control_client_from_env(env: Mapping[str, str] | None = None, *, timeout_s: float = 60.0) -> Store:
+    """A client of the control store, already under the run's prefix."""
+    import torch.distributed as dist
+
+    identity = current_identity_from_env(env)
+    client = dist.TCPStore(
+        identity.control_host, identity.control_port, is_master=False, wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return dist.PrefixStore(identity.control_prefix, client)
+
+
+def latest_generation(client: Store) -> int:
+    """The newest complete generation, or -1 when none is published yet. Never blocks."""
+    if not client.check([LATEST_GENERATION_KEY]):
+        return -1
+    return int(client.get(LATEST_GENERATION_KEY))
+
+
+def wait_for_generation(client: Store, newer_than: int, *, timeout_s: float, poll_s: float = 0.2) -> int:
+    """Poll until a generation newer than ``newer_than`` is published; return its number."""
+    deadline = time.monotonic() + timeout_s
+    while (latest := latest_generation(client)) <= newer_than:
+        if time.monotonic() > deadline:
+            raise GenerationError(f"no generation newer than {newer_than} within {timeout_s:.0f}s")
+        time.sleep(poll_s)
+    return latest
+
+
+def read_generation(client: Store, generation: int) -> GenerationInfo:
+    """Read a published generation (``latest_generation(client) >= generation`` must hold)."""
+    if latest_generation(client) < generation:
+        raise GenerationError(f"generation {generation} is not published yet")
+    world = client.get(world_key(generation))
+    num_nodes = int(_loads(world, "world entry")["num_nodes"])
+    nodes = [client.get(node_key(generation, r)) for r in range(num_nodes)]
+    return GenerationInfo.decode(generation, world, nodes)
+
+
+def changes_nothing(previous: GenerationInfo | None, nodes: Sequence[NodeEntry]) -> bool:
+    """A round in which every node kept its workers and every worker keeps its rank (a joiner missed it)."""
+    if previous is None or not all(node.kept_workers for node in nodes):
+        return False
+    return {n.node_id: n.ranks for n in nodes} == {n.node_id: n.ranks for n in previous.nodes}
+
+
+def publish_generation(
+    store: Store, *, nodes: Sequence[NodeEntry], world_size: int, master_addr: str, master_port: int,
+    rendezvous_seconds: float,
+) -> int:
+    """Agent side (the round's rank-0 agent, the only writer): publish a round as a generation; its number.
+
+    The entries are validated before anything is written, and ``latest_generation`` is written last. A round
+    that :func:`changes_nothing` is no new generation: the current number is returned, nothing is written.
+    """
+    latest = latest_generation(store)
+    if changes_nothing(read_generation(store, latest) if latest >= 0 else None, nodes):
+        return latest
+    draft = GenerationInfo(  # validates the round before a number is taken or a key written
+        generation=latest + 1, world_size=world_size, master_addr=master_addr, master_port=master_port,
+        nodes=tuple(nodes), rendezvous_seconds=rendezvous_seconds,
+    )
+    generation = store.add(GENERATION_COUNTER_KEY, 1) - 1
+    info = replace(draft, generation=generation)
+    for group_rank, node in enumerate(info.nodes):
+        store.set(node_key(generation, group_rank), node.encode())
+    store.set(world_key(generation), info.encode_world())
+    store.set(LATEST_GENERATION_KEY, str(generation))
+    return generation

@@ -1,0 +1,326 @@
+"""``lightning-emig-run``: the publication protocol, the torchrun seam, and a live join of a second node.
+
+The end-to-end test runs two agents on one host as simulated nodes (127.0.0.2 and 127.0.0.3). Node A starts
+alone; node B joins; A's worker must keep its process (no restart), learn generation 1 from the control
+store, re-form its process group with B's new worker and all-reduce with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+import torch.distributed.launcher.api as launcher_api
+import torch.distributed.run as torch_run
+from torch.distributed.elastic.agent.server.api import WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+from lightning_emig import run as emig_run
+from lightning_emig.launcher.agent import MembershipAgent, find_tcp_store
+from lightning_emig.launcher.generation import (
+    GenerationError,
+    GenerationInfo,
+    NodeEntry,
+    changes_nothing,
+    current_identity_from_env,
+    latest_generation,
+    parse_host_port,
+    publish_generation,
+    read_generation,
+    restart_key,
+    wait_for_generation,
+    worker_env,
+)
+from lightning_emig.testing.commands import is_alive, kill_tree
+from lightning_emig.testing.distributed import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _two_node_generation(generation: int = 1) -> GenerationInfo:
+    return GenerationInfo(
+        generation=generation, world_size=4, master_addr="127.0.0.3", master_port=29512,
+        nodes=(
+            NodeEntry(node_id="127.0.0.3_77", ranks=(0, 1), kept_workers=False),
+            NodeEntry(node_id="127.0.0.2_42", ranks=(2, 3), kept_workers=True),
+        ),
+        rendezvous_seconds=1.5,
+    )
+
+
+# --- publication protocol (pure) -------------------------------------------------------------------
+
+
+def test_generation_round_trips_through_its_encoding() -> None:
+    info = _two_node_generation()
+    decoded = GenerationInfo.decode(1, info.encode_world(), [n.encode() for n in info.nodes])
+    assert decoded == info
+    assert decoded.rank_of("127.0.0.2_42", 1) == 3
+    assert decoded.rank_of("127.0.0.3_77", 0) == 0
+    assert decoded.live and decoded.store_prefix == "gen1"
+
+
+def test_generation_without_kept_workers_is_not_live() -> None:
+    info = GenerationInfo(
+        generation=0, world_size=1, master_addr="a", master_port=1,
+        nodes=(NodeEntry(node_id="a_1", ranks=(0,), kept_workers=False),),
+    )
+    assert not info.live
+
+
+@pytest.mark.parametrize(
+    ("nodes", "world_size", "message"),
+    [
+        ((("a", (0, 1)), ("b", (1, 2))), 3, "permutation"),
+        ((("a", (0,)), ("b", (2,))), 2, "permutation"),
+        ((("a", (0,)), ("a", (1,))), 2, "appears twice"),
+    ],
+)
+def test_inconsistent_generations_fail_loudly(nodes, world_size: int, message: str) -> None:
+    entries = tuple(NodeEntry(node_id=nid, ranks=ranks, kept_workers=False) for nid, ranks in nodes)
+    with pytest.raises(GenerationError, match=message):
+        GenerationInfo(generation=1, world_size=world_size, master_addr="h", master_port=1, nodes=entries)
+
+
+def test_unknown_worker_and_malformed_entries_are_errors() -> None:
+    info = _two_node_generation()
+    with pytest.raises(GenerationError, match="not part of generation 1"):
+        info.rank_of("127.0.0.9_1", 0)
+    with pytest.raises(GenerationError, match="node entries"):
+        GenerationInfo.decode(1, info.encode_world(), [info.nodes[0].encode()])
+    with pytest.raises(GenerationError, match="malformed"):
+        GenerationInfo.decode(1, b"{not json", [])
+    with pytest.raises(GenerationError, match="format"):
+        GenerationInfo.decode(1, json.dumps({"format": 99}).encode(), [])
+
+
+def _publish(store: dist.Store, info: GenerationInfo) -> int:
+    return publish_generation(
+        store, nodes=info.nodes, world_size=info.world_size, master_addr=info.master_addr,
+        master_port=info.master_port, rendezvous_seconds=info.rendezvous_seconds,
+    )
+
+
+def test_publication_numbers_generations_and_is_read_back_whole() -> None:
+    store = dist.PrefixStore("lightning_emig/run/", dist.HashStore())
+    first = GenerationInfo(
+        generation=0, world_size=2, master_addr="127.0.0.2", master_port=29500,
+        nodes=(NodeEntry(node_id="127.0.0.2_42", ranks=(0, 1), kept_workers=False),),
+    )
+    assert latest_generation(store) == -1
+    with pytest.raises(GenerationError, match="not published"):
+        read_generation(store, 0)
+    with pytest.raises(GenerationError, match="newer than -1"):
+        wait_for_generation(store, -1, timeout_s=0.3, poll_s=0.1)
+    assert _publish(store, first) == 0
+    assert read_generation(store, 0) == first
+    assert _publish(store, _two_node_generation(generation=1)) == 1
+    assert wait_for_generation(store, 0, timeout_s=1) == 1
+    assert read_generation(store, 1) == _two_node_generation(generation=1)
+    assert read_generation(store, 0) == first  # a published generation is never rewritten
+
+
+def test_a_live_round_that_changes_nothing_is_no_new_generation() -> None:
+    store = dist.PrefixStore("lightning_emig/run/", dist.HashStore())
+    started = NodeEntry(node_id="a_1", ranks=(0,), kept_workers=False)
+    kept = NodeEntry(node_id="a_1", ranks=(0,), kept_workers=True)
+    one = dict(world_size=1, master_addr="a", master_port=1, rendezvous_seconds=0.0)
+    assert publish_generation(store, nodes=[started], **one) == 0
+    assert changes_nothing(read_generation(store, 0), [kept])
+    assert publish_generation(store, nodes=[kept], **one) == 0  # the joiner missed the round
+    assert latest_generation(store) == 0
+    assert publish_generation(store, nodes=[started], **one) == 1  # a restart round is always new
+    joined = [kept, NodeEntry(node_id="b_2", ranks=(1,), kept_workers=False)]
+    assert publish_generation(store, nodes=joined, world_size=2, master_addr="a", master_port=2,
+                              rendezvous_seconds=0.0) == 2
+    assert not changes_nothing(None, [kept])
+    with pytest.raises(GenerationError, match="permutation"):
+        publish_generation(store, nodes=[kept], world_size=2, master_addr="a", master_port=3,
+                           rendezvous_seconds=0.0)
+    assert latest_generation(store) == 2  # nothing written for the bad round
+
+
+def test_worker_identity_round_trips_through_the_environment() -> None:
+    env = worker_env(node_id="127.0.0.2_42", control_address="127.0.0.1:29400", prefix="lightning_emig/r/",
+                     generation=3, join_live=True)
+    me = current_identity_from_env({**env, "LOCAL_RANK": "1"})
+    assert (me.node_id, me.local_rank, me.generation, me.join_live) == ("127.0.0.2_42", 1, 3, True)
+    assert (me.control_host, me.control_port, me.control_prefix) == ("127.0.0.1", 29400, "lightning_emig/r/")
+    with pytest.raises(GenerationError, match="not started by lightning-emig-run"):
+        current_identity_from_env({"LOCAL_RANK": "0"})
+
+
+@pytest.mark.parametrize(("address", "expected"), [("h:1", ("h", 1)), ("[::1]:29400", ("::1", 29400))])
+def test_parse_host_port(address: str, expected: tuple[str, int]) -> None:
+    assert parse_host_port(address) == expected
+    with pytest.raises(GenerationError):
+        parse_host_port("no-port")
+
+
+def test_control_store_is_the_tcp_store_under_the_round_prefixes() -> None:
+    tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    round_store = dist.PrefixStore("torch.rendezvous.r.1", dist.PrefixStore("outer", tcp))
+    found = find_tcp_store(round_store)
+    assert (found.host, found.port) == ("127.0.0.1", tcp.port)
+    with pytest.raises(GenerationError, match="TCPStore-backed"):
+        find_tcp_store(dist.PrefixStore("x", dist.HashStore()))
+
+
+# --- the agent's one decision ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("state", "peer_restarting", "live", "expected"),
+    [
+        ("HEALTHY", False, True, "live"),  # nodes wait, nobody failed: carry the workers over
+        ("HEALTHY", True, True, "restart"),  # a peer restarts after a failure: torchrun's path
+        ("HEALTHY", False, False, "restart"),  # LIGHTNING_EMIG_LIVE_MEMBERSHIP=0
+        ("FAILED", False, True, "restart+mark"),
+        ("UNHEALTHY", False, True, "restart+mark"),
+    ],
+)
+def test_agent_carries_workers_over_only_for_joins(
+    monkeypatch: pytest.MonkeyPatch, state: str, peer_restarting: bool, live: bool, expected: str
+) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(LocalElasticAgent, "_restart_workers", lambda self, wg: calls.append("restart"))
+    monkeypatch.setattr(MembershipAgent, "_continue_workers_in_next_round", lambda self, wg: calls.append("live"))
+    agent = MembershipAgent.__new__(MembershipAgent)  # the decision needs no spec, store or workers
+    agent.live_membership, agent.generation, agent.node_id = live, 4, "a_1"
+    agent._control = dist.PrefixStore("lightning_emig/r/", dist.HashStore())
+    if peer_restarting:
+        agent._control.set(restart_key(4), "b_2")
+    group = SimpleNamespace(state=WorkerState[state])
+    agent._restart_workers(group)
+    marked = not peer_restarting and agent._control.check([restart_key(4)])
+    assert "+".join(calls + (["mark"] if marked else [])) == expected
+
+
+# --- the seam into torchrun -----------------------------------------------------------------------
+
+
+class _Stop(Exception):
+    """Raised from the agent's run() so launch_agent stops right after building the agent."""
+
+
+def test_seam_swaps_the_agent_class_only_inside_the_block() -> None:
+    assert launcher_api.LocalElasticAgent is LocalElasticAgent
+    with emig_run.install_agent():
+        assert launcher_api.LocalElasticAgent is MembershipAgent
+    assert launcher_api.LocalElasticAgent is LocalElasticAgent
+
+
+def test_main_runs_torchruns_own_cli_with_our_agent(monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[MembershipAgent] = []
+
+    def stop(self: MembershipAgent, role: str = "default") -> None:
+        built.append(self)
+        raise _Stop
+
+    monkeypatch.setattr(MembershipAgent, "run", stop)
+    for var in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TORCHELASTIC_SIGNALS_TO_HANDLE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(_Stop):
+        emig_run.main(["--standalone", "--nproc-per-node=3", "--local-addr=127.0.0.1", "-m", "some.module", "x"])
+    (agent,) = built
+    spec = agent.get_worker_group().spec
+    assert (spec.local_world_size, spec.local_addr, spec.args[-2:]) == (3, "127.0.0.1", ("some.module", "x"))
+    assert agent.live_membership and agent.node_id == f"127.0.0.1_{os.getpid()}"
+    assert os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert launcher_api.LocalElasticAgent is LocalElasticAgent
+    assert torch_run.get_args_parser().parse_args(["--nnodes=1:2", "x.py"]).nnodes == "1:2"
+
+
+# --- two simulated nodes: a live join --------------------------------------------------------------
+
+
+def _start_agent(tmp_path: Path, name: str, local_addr: str, port: int) -> subprocess.Popen:
+    cmd = [
+        sys.executable, "-m", "lightning_emig.run", "--nnodes=1:2", "--nproc-per-node=1",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=live-join",
+        "--rdzv-conf=last_call_timeout=1", f"--local-addr={local_addr}", "--max-restarts=0",
+        "--monitor-interval=0.2", "-m", "lightning_emig.testing.membership_worker", "--out", str(tmp_path),
+        "--timeout-s=45",
+    ]
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+    log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed with the process below
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    return proc
+
+
+def _wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.2)
+
+
+def _log(tmp_path: Path, name: str) -> str:
+    return (tmp_path / f"{name}.log").read_text()[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_joining_node_is_handed_to_the_live_worker_without_restart(tmp_path: Path) -> None:
+    port = free_port()
+    agents: dict[str, subprocess.Popen] = {}
+    workers: set[int] = set()
+    try:
+        agents["a"] = _start_agent(tmp_path, "a", "127.0.0.2", port)
+        _wait_for(lambda: list(tmp_path.glob("127.0.0.2_*.starts")), 60, "node A's worker did not start")
+        joined_at = time.monotonic()
+        agents["b"] = _start_agent(tmp_path, "b", "127.0.0.3", port)
+        for name, proc in agents.items():
+            try:
+                proc.wait(timeout=max(1.0, 75 - (time.monotonic() - joined_at)))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"agent {name} did not finish; its log:\n{_log(tmp_path, name)}")
+        elapsed = time.monotonic() - joined_at
+        for name, proc in agents.items():
+            assert proc.returncode == 0, f"agent {name} failed:\n{_log(tmp_path, name)}"
+
+        (a_starts,) = tmp_path.glob("127.0.0.2_*.starts")
+        (b_starts,) = tmp_path.glob("127.0.0.3_*.starts")
+        a_pids = [int(p) for p in a_starts.read_text().split()]
+        b_pids = [int(p) for p in b_starts.read_text().split()]
+        workers.update(a_pids + b_pids)
+        a = json.loads(a_starts.with_suffix(".json").read_text())
+        b = json.loads(b_starts.with_suffix(".json").read_text())
+    finally:
+        for proc in agents.values():
+            kill_tree(proc.pid)
+            proc.wait(timeout=10)
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    assert len(a_pids) == 1 and a["pid"] == a_pids[0], "node A's worker was restarted"
+    assert len(b_pids) == 1 and b["pid"] == b_pids[0]
+    assert (a["start_generation"], a["join_live"], b["start_generation"], b["join_live"]) == (0, False, 1, True)
+    assert a["generation"] == b["generation"] == 1
+    assert a["world_size"] == b["world_size"] == 2
+    assert {a["rank"], b["rank"]} == {0, 1}
+    assert a["all_reduce"] == b["all_reduce"] == 3.0
+    assert not [pid for pid in workers if is_alive(pid)], "a worker outlived its agent"
+
+    changed = re.search(r"live membership change: generation 0 -> 1 .* ([\d.]+)s", _log(tmp_path, "a"))
+    assert changed, _log(tmp_path, "a")
+    print(
+        f"\nlive join: agent A re-rendezvous {float(changed.group(1)):.2f}s (rank-0 agent round to publication "
+        f"{a['rendezvous_seconds']:.2f}s); A's worker switched groups {a['switch_seconds']:.2f}s after seeing "
+        f"generation 1; B start to both agents done {elapsed:.1f}s"
+    )
