@@ -84,8 +84,9 @@ def test_forward_shape_and_initial_loss() -> None:
 
 
 def test_sequence_longer_than_rope_tables_is_rejected() -> None:
-    with pytest.raises(ValueError, match="exceeds max_seq_len=64"):
-        _tiny_model()(torch.zeros(1, 65, dtype=torch.long))
+    limit = MODEL_SIZES["tiny"].max_seq_len
+    with pytest.raises(ValueError, match=f"exceeds max_seq_len={limit}"):
+        _tiny_model()(torch.zeros(1, limit + 1, dtype=torch.long))
 
 
 def test_attention_is_causal() -> None:

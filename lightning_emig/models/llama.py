@@ -87,13 +87,13 @@ class LlamaConfig:
 # Every TP-splittable width (heads, kv heads, FFN) is divisible by 4 (tiny runs tp=4 in a world of 4), and by 8
 # from llama_350m up.
 MODEL_SIZES: dict[str, LlamaConfig] = {
-    "tiny": LlamaConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=176, max_seq_len=64),
+    "tiny": LlamaConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=176, max_seq_len=256),
     "llama_25m": LlamaConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=1536, max_seq_len=512),
     "llama_125m": LlamaConfig(
-        dim=768, n_layers=16, n_heads=12, n_kv_heads=4, ffn_hidden=2688, max_seq_len=1024
+        dim=768, n_layers=16, n_heads=12, n_kv_heads=4, ffn_hidden=2688, max_seq_len=2048
     ),
     "llama_350m": LlamaConfig(
-        dim=1024, n_layers=24, n_heads=16, n_kv_heads=8, ffn_hidden=3712, max_seq_len=1024
+        dim=1024, n_layers=24, n_heads=16, n_kv_heads=8, ffn_hidden=3712, max_seq_len=2048
     ),
     "llama_1b": LlamaConfig(
         dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192, max_seq_len=2048
