@@ -21,6 +21,8 @@ from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from torch.distributed.device_mesh import DeviceMesh
 
 
@@ -149,7 +151,8 @@ class LayoutMesh:
 
     layout: HybridLayout
     root: DeviceMesh
-    dp: DeviceMesh
+    dp: DeviceMesh | None
+    """``None`` only on a process outside a mesh built over a subset of ranks (see :func:`build_mesh`)."""
 
     def __getitem__(self, axis: MeshAxis | str) -> DeviceMesh:
         axis = MeshAxis(axis)
@@ -163,12 +166,60 @@ class LayoutMesh:
         return self.dp.get_local_rank()
 
 
-def build_mesh(layout: HybridLayout, device_type: str) -> LayoutMesh:
-    """Build the 4-axis DeviceMesh (and its flattened ``dp`` axis) for a resolved layout."""
+def build_mesh(layout: HybridLayout, device_type: str, ranks: Sequence[int] | None = None) -> LayoutMesh:
+    """Build the 4-axis DeviceMesh (and its flattened ``dp`` axis) for a resolved layout.
+
+    Args:
+        layout: A resolved layout.
+        device_type: ``"cpu"`` or ``"cuda"``.
+        ranks: The default group's ranks the mesh spans, ascending, in mesh order (row-major over
+            ``layout.mesh_shape``); ``None`` means all of them (``0..world-1``). A subset lets two meshes of
+            different worlds live in one default group (migration between worlds: the old mesh over the old
+            processes, the new one over the new). Creating a mesh creates sub-groups, a collective over the whole
+            default group: *every* process of the default group must call this, in the same order and with the
+            same arguments, members or not. A non-member gets a :class:`LayoutMesh` whose
+            ``root.get_coordinate()`` is ``None`` and whose ``dp`` is ``None``; it must not build a model on it.
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
     layout._require_resolved()
     names = tuple(axis.value for axis in MESH_AXIS_ORDER)
+    if ranks is not None:
+        return _build_mesh_over(layout, device_type, [int(r) for r in ranks], names)
     root = init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=names)
     dp = root[(MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value)]._flatten(MeshAxis.DP.value)
     return LayoutMesh(layout=layout, root=root, dp=dp)
+
+
+def _build_mesh_over(layout: HybridLayout, device_type: str, ranks: list[int], names: tuple[str, ...]) -> LayoutMesh:
+    """The mesh over a subset of the default group.
+
+    A non-member cannot slice a mesh (torch needs the local rank in the slice), so it cannot ``_flatten`` the
+    data-parallel axes as members would, and the groups that flattening creates would be created by members only
+    (a desynchronized collective). So the ``dp`` axis comes from a second mesh every process creates alike: the
+    same ranks laid out as ``(pp x tp, dp_replicate x dp_shard)``, whose second axis members slice out.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if len(ranks) != layout.world_size or len(set(ranks)) != len(ranks):
+        raise LayoutError(
+            f"a mesh for {layout.describe()} needs {layout.world_size} distinct ranks, got {ranks}"
+        )
+    if ranks != sorted(ranks):
+        # torch sorts a sub-group's ranks: FSDP2 shards by that group rank while DTensor places by mesh
+        # coordinate, so along any axis whose ranks are not ascending the two would disagree on who holds what.
+        raise LayoutError(
+            f"mesh ranks must be ascending (mesh coordinate order = process-group rank order), got {ranks}"
+        )
+    world = dist.get_world_size()
+    if any(not 0 <= r < world for r in ranks):
+        raise LayoutError(f"mesh ranks {ranks} are not all ranks of the default group (size {world})")
+    grid = torch.tensor(ranks, dtype=torch.int64).reshape(layout.mesh_shape)
+    root = DeviceMesh(device_type, grid, mesh_dim_names=names)
+    pp, dp_replicate, dp_shard, tp = layout.mesh_shape
+    dp_grid = grid.permute(0, 3, 1, 2).reshape(pp * tp, dp_replicate * dp_shard)
+    dp_root = DeviceMesh(device_type, dp_grid, mesh_dim_names=("pp_tp", MeshAxis.DP.value))
+    member = dist.get_rank() in ranks
+    return LayoutMesh(layout=layout, root=root, dp=dp_root[MeshAxis.DP.value] if member else None)

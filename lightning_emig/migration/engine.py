@@ -6,9 +6,15 @@
 1. agree on what moves: the old specs come from the lowest live old rank, the new specs from new rank 0
    (one small broadcast each; a process that has no old or no new state learns it this way);
 2. plan locally (no communication: every process derives the same plan);
-3. transfer: local copies, then bucketed point-to-point rounds; old storage is released as it leaves;
-4. agree on success: one all-reduce of an error flag, so a checksum mismatch on any process fails every
+3. agree on the plan: one tiny all-gather of each process's peer count (the pair bucket size needs both ends'),
+   where a process whose planning failed (e.g. state that no live process holds) sends -1, so every process
+   stops before any transfer instead of waiting for a peer that will never post its operations;
+4. transfer: local copies, then bucketed point-to-point rounds; old storage is released as it leaves;
+5. agree on success: one all-reduce of an error flag, so a checksum mismatch on any process fails every
    process and no process continues on state that another rejected.
+
+Ranks passed to torch are ranks *in* ``group`` (``IdentityMap.union_rank``), so ``group`` may be the default group
+or any group whose ranks are the union's processes ordered by pid.
 """
 
 from __future__ import annotations
@@ -50,14 +56,21 @@ def _broadcast_specs(
     specs: dict[str, ShardingSpec] | None, src: int, group: dist.ProcessGroup | None
 ) -> dict[str, ShardingSpec]:
     box = [specs]
-    dist.broadcast_object_list(box, src=src, group=group)
+    dist.broadcast_object_list(box, group=group, group_src=src)
     return box[0]
 
 
-def _peer_counts(plan: RankPlan, identity: IdentityMap, group: dist.ProcessGroup | None) -> dict[int, int]:
-    """Every process's number of peers (one tiny all-gather): both ends of a pair need the same bucket size."""
+def _peer_counts(
+    plan: RankPlan | None, identity: IdentityMap, group: dist.ProcessGroup | None
+) -> dict[int, int] | None:
+    """Every process's number of peers (one tiny all-gather): both ends of a pair need the same bucket size.
+
+    ``plan`` is None where planning failed; then every process gets None and must not start the transfer.
+    """
     counts = [0] * len(identity.pids)
-    dist.all_gather_object(counts, len(plan.peers), group=group)
+    dist.all_gather_object(counts, -1 if plan is None else len(plan.peers), group=group)
+    if any(c < 0 for c in counts):
+        return None
     return dict(zip(identity.pids, counts, strict=True))
 
 
@@ -88,8 +101,17 @@ def migrate(
 ) -> MigrationReport:
     """Move ``old_state`` (held under ``old_layout``) into ``new_state``'s tensors (under ``new_layout``).
 
-    ``old_state`` is None on a joiner, ``new_state`` None on a leaver. With ``release_old`` the storage of each
-    old tensor is freed as soon as nothing more is read from it (the old model must not be used afterwards).
+    ``old_state`` is None on a joiner, ``new_state`` None on a leaver; every process of ``group`` calls this (a
+    process with neither takes part in the agreement only). With ``release_old`` the storage of each old tensor is
+    freed as soon as nothing more is read from it (the old model must not be used afterwards) — also when the
+    migration then fails, so a failed migration with ``release_old`` leaves no usable state in memory and the
+    caller must fall back to a checkpoint; without it the old state stays intact and usable.
+
+    Raises:
+        ChecksumMismatchError: on a process that received corrupt bytes.
+        MigrationFailedError: on every other process when the migration failed anywhere.
+        StateLostError: on a process that needs state no live process holds (the others raise
+            MigrationFailedError).
     """
     me = identity.process(pid)
     if (old_state is None) != (me.old_rank is None) or (new_state is None) != (me.new_rank is None):
@@ -104,11 +126,19 @@ def migrate(
     seconds["agree"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    plan = plan_for_rank(tensors, identity, pid, planning or PlanOptions())
+    try:
+        plan = plan_for_rank(tensors, identity, pid, planning or PlanOptions())
+    except Exception:  # the others must learn about it before anyone posts a transfer
+        _peer_counts(None, identity, group)
+        raise
     seconds["plan"] = time.perf_counter() - start
 
     start = time.perf_counter()
     peer_counts = _peer_counts(plan, identity, group)
+    if peer_counts is None:
+        raise MigrationFailedError(
+            "planning failed on another process (see its error); no state was transferred or released"
+        )
     old_locals = {k: t.local for k, t in (old_state or {}).items()}
     new_locals = {k: t.local for k, t in (new_state or {}).items()}
     error: BaseException | None = None

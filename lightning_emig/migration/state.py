@@ -99,10 +99,13 @@ def allocate_optimizer_state(
     """Create empty optimizer state for ``model``'s new parameters, with the keys (and dtypes) of ``template``.
 
     Parameter-shaped states take the new parameter's sharding (``empty_like`` of a DTensor keeps its mesh and
-    placements); scalars are plain tensors. The tensors are installed in ``optimizer.state`` so the optimizer
-    adopts them as they are once the transfer has filled them.
+    placements); scalars are plain tensors, on the device torch's optimizers keep them on (the CPU, or the
+    parameter's device for ``fused`` / ``capturable`` groups: a CUDA ``step`` on a plain group would cost a device
+    sync per parameter per step). The tensors are installed in ``optimizer.state`` so the optimizer adopts them
+    as they are once the transfer has filled them.
     """
     params = dict(model.named_parameters())
+    groups = {id(p): group for group in optimizer.param_groups for p in group["params"]}
     out: dict[str, StateTensor] = {}
     for key, spec in template.items():
         kind, rest = key.split("/", 1)
@@ -111,9 +114,16 @@ def allocate_optimizer_state(
         name, state_name = rest.rsplit("/", 1)
         param = params[name]
         if spec.global_shape == ():
-            value = torch.zeros((), dtype=spec.dtype, device=local_of(param).device)
+            device = _scalar_state_device(groups.get(id(param), {}), param)
+            value = torch.zeros((), dtype=spec.dtype, device=device)
         else:
             value = torch.empty_like(param.data, dtype=spec.dtype)
         optimizer.state[param][state_name] = value
         out[key] = StateTensor(key, spec_of(value), local_of(value))
     return out
+
+
+def _scalar_state_device(group: dict[str, object], param: torch.Tensor) -> torch.device:
+    if group.get("fused") or group.get("capturable"):
+        return local_of(param).device
+    return torch.device("cpu")

@@ -4,14 +4,19 @@ Invariants:
 
 * matching without negotiation: the transfers between two processes are cut into buckets by the same rule on
   both sides (the pair's transfer list, in plan order, greedily packed up to the pair's bucket size, a transfer
-  larger than a bucket split along its first dimension), and bucket ``k`` of every pair travels in round ``k``,
-  so every ``isend`` has its ``irecv`` in the same ``batch_isend_irecv`` call on the other side;
-* bounded memory: a pair's bucket is ``bucket_bytes / (2 x the larger peer count of the two)``, so the send and
-  receive buffers of one round never exceed ``bucket_bytes`` on any process (plus the largest single row of a
-  tensor, the indivisible unit);
+  larger than a bucket cut into runs of whole rows, and a row larger than a bucket cut the same way along the
+  next dim), and bucket ``k`` of every pair travels in round ``k``, so every ``isend`` has its ``irecv`` in the
+  same ``batch_isend_irecv`` call on the other side;
+* bounded memory: a pair's bucket is ``bucket_bytes / (2 x the larger peer count of the two)`` and no bucket is
+  larger than that (the indivisible unit is one element), so the send and receive buffers of one round never
+  exceed ``bucket_bytes`` on any process (unless the budget is below ``2 x peers x itemsize``);
+* ranks are ranks *in* ``group`` (``group_peer``), so the union group may be any group, not only the default one;
+* a bucket may mix dtypes: boxes sit at arbitrary byte offsets of the flat buffer, never reinterpreted in place
+  at an offset their dtype cannot be aligned to;
 * old state is released (``on_release(key)``) right after the round that last reads it;
 * with ``checksum=True`` each bucket carries a CRC32 of its bytes; a mismatch raises
-  :class:`ChecksumMismatchError` and the received state must not be used.
+  :class:`ChecksumMismatchError` once every round has run (so no peer is left waiting in a later round), and the
+  received state must not be used.
 """
 
 from __future__ import annotations
@@ -63,27 +68,44 @@ class TransferStats:
 
 # --------------------------------------------------------------------------------------------- bucketing
 def _split_rows(transfer: Transfer, max_bytes: int) -> list[Transfer]:
-    """Cut a transfer larger than ``max_bytes`` into runs of whole rows along dim 0 (same cut on both sides)."""
+    """Cut a transfer larger than ``max_bytes`` into pieces of at most ``max_bytes`` (same cut on both sides).
+
+    Runs of whole rows along dim 0 first; a single row larger than ``max_bytes`` is cut the same way along dim 1,
+    and so on, so only a single element can exceed ``max_bytes``. Pieces are in row-major order of the box.
+    """
+    return _split_from(transfer, max_bytes, 0)
+
+
+def _split_from(transfer: Transfer, max_bytes: int, dim: int) -> list[Transfer]:
     box = transfer.box
-    if transfer.nbytes <= max_bytes or box.ndim == 0 or box.shape[0] <= 1:
+    if transfer.nbytes <= max_bytes or dim >= box.ndim:
         return [transfer]
-    rows = box.shape[0]
-    row_bytes = transfer.nbytes // rows
-    per = max(1, max_bytes // max(row_bytes, 1))
-    pieces = []
-    for lo in range(0, rows, per):
-        hi = min(rows, lo + per)
-        (start, _), *rest = box.bounds
-        sub = ShardBox(((start + lo, start + hi), *rest))
-        pieces.append(
-            Transfer(
-                transfer.tensor, sub, transfer.src, transfer.dst,
-                (transfer.src_start[0] + lo, *transfer.src_start[1:]),
-                (transfer.dst_start[0] + lo, *transfer.dst_start[1:]),
-                row_bytes * (hi - lo),
-            )
-        )
+    length = box.shape[dim]
+    if length <= 1:
+        return _split_from(transfer, max_bytes, dim + 1)
+    unit = transfer.nbytes // length  # one index along ``dim`` with everything inside it
+    per = max(1, max_bytes // max(unit, 1))
+    pieces: list[Transfer] = []
+    for lo in range(0, length, per):
+        hi = min(length, lo + per)
+        piece = _narrow(transfer, dim, lo, hi, unit * (hi - lo))
+        pieces.extend(_split_from(piece, max_bytes, dim + 1) if unit > max_bytes else [piece])
     return pieces
+
+
+def _narrow(transfer: Transfer, dim: int, lo: int, hi: int, nbytes: int) -> Transfer:
+    """Indices ``[lo, hi)`` of ``transfer``'s box along ``dim`` (relative to the box)."""
+    bounds = list(transfer.box.bounds)
+    start = bounds[dim][0]
+    bounds[dim] = (start + lo, start + hi)
+
+    def shifted(origin: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(o + lo if d == dim else o for d, o in enumerate(origin))
+
+    return Transfer(
+        transfer.tensor, ShardBox(tuple(bounds)), transfer.src, transfer.dst,
+        shifted(transfer.src_start), shifted(transfer.dst_start), nbytes,
+    )
 
 
 def buckets_for_pair(transfers: tuple[Transfer, ...], bucket_bytes: int) -> list[list[Transfer]]:
@@ -108,16 +130,38 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
+def _typed(raw: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """``raw`` (a byte range of a flat buffer) seen as ``dtype`` of ``shape``; None where it is not aligned."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if raw.storage_offset() % itemsize:
+        return None
+    return raw.view(dtype).view(shape)
+
+
 def _pack(bucket: list[Transfer], old: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
-    parts = [_as_bytes(old[t.tensor][t.src_slices()]) for t in bucket]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+    """One flat byte buffer of the bucket's boxes, written in place (no per-box temporaries when aligned)."""
+    buffer = torch.empty(sum(t.nbytes for t in bucket), dtype=torch.uint8, device=device)
+    offset = 0
+    for t in bucket:
+        source = old[t.tensor][t.src_slices()]
+        raw = buffer[offset : offset + t.nbytes]
+        typed = _typed(raw, source.dtype, t.box.shape)
+        if typed is not None:
+            typed.copy_(source)
+        else:
+            raw.copy_(_as_bytes(source))
+        offset += t.nbytes
+    return buffer
 
 
 def _unpack(bucket: list[Transfer], buffer: torch.Tensor, new: dict[str, torch.Tensor]) -> None:
     offset = 0
     for t in bucket:
         target = new[t.tensor]
-        chunk = buffer[offset : offset + t.nbytes].view(target.dtype).reshape(t.box.shape)
+        raw = buffer[offset : offset + t.nbytes]
+        chunk = _typed(raw, target.dtype, t.box.shape)
+        if chunk is None:  # e.g. a float32 box after an odd number of bfloat16 elements: realign by copying
+            chunk = raw.clone().view(target.dtype).view(t.box.shape)
         target[t.dst_slices()].copy_(chunk)
         offset += t.nbytes
 
@@ -166,8 +210,12 @@ def run_transfer(
     last_read = _last_round_reading(schedule, old, plan)
     device = _device_of(new, old)
     start = time.perf_counter()
+    mismatch: ChecksumMismatchError | None = None
     for round_index, (sends, recvs) in enumerate(schedule):
-        _run_round(round_index, sends, recvs, old, new, union_rank, group, options, device, stats)
+        # After a mismatch keep running the remaining rounds: peers post them regardless, and raising now would
+        # leave them blocked until the process group times out. Nothing received is trusted after a mismatch.
+        error = _run_round(round_index, sends, recvs, old, new, union_rank, group, options, device, stats)
+        mismatch = mismatch or error
         if on_release is not None:
             for key in last_read.get(round_index, ()):
                 on_release(key)
@@ -176,6 +224,8 @@ def run_transfer(
             on_release(key)
     stats.rounds = len(schedule)
     stats.seconds_transfer = time.perf_counter() - start
+    if mismatch is not None:
+        raise mismatch
     return stats
 
 
@@ -218,7 +268,8 @@ def _run_round(
     options: TransferOptions,
     device: torch.device,
     stats: TransferStats,
-) -> None:
+) -> ChecksumMismatchError | None:
+    """Post one round's sends and receives in one ``batch_isend_irecv``; return a checksum mismatch, if any."""
     ops: list[dist.P2POp] = []
     recv_buffers: dict[int, torch.Tensor] = {}
     recv_sums: dict[int, torch.Tensor] = {}
@@ -230,44 +281,51 @@ def _run_round(
             checksum = torch.tensor([_crc(packed)], dtype=torch.int64, device=device)
         if options.corrupt_in_transit is not None:
             options.corrupt_in_transit(round_index, peer, packed)
-        ops.append(dist.P2POp(dist.isend, packed, union_rank(peer), group))
+        ops.append(dist.P2POp(dist.isend, packed, group=group, group_peer=union_rank(peer)))
         if options.checksum:
-            ops.append(dist.P2POp(dist.isend, checksum, union_rank(peer), group))
+            ops.append(dist.P2POp(dist.isend, checksum, group=group, group_peer=union_rank(peer)))
         stats.bytes_sent += packed.numel()
         stats.per_peer_bytes[peer] = stats.per_peer_bytes.get(peer, 0) + packed.numel()
     for peer, bucket in sorted(recvs.items()):
         nbytes = sum(t.nbytes for t in bucket)
         recv_buffers[peer] = torch.empty(nbytes, dtype=torch.uint8, device=device)
         buffer_bytes += nbytes
-        ops.append(dist.P2POp(dist.irecv, recv_buffers[peer], union_rank(peer), group))
+        ops.append(dist.P2POp(dist.irecv, recv_buffers[peer], group=group, group_peer=union_rank(peer)))
         if options.checksum:
             recv_sums[peer] = torch.empty(1, dtype=torch.int64, device=device)
-            ops.append(dist.P2POp(dist.irecv, recv_sums[peer], union_rank(peer), group))
+            ops.append(dist.P2POp(dist.irecv, recv_sums[peer], group=group, group_peer=union_rank(peer)))
     stats.peak_buffer_bytes = max(stats.peak_buffer_bytes, buffer_bytes)
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+    mismatch: ChecksumMismatchError | None = None
     for peer, bucket in sorted(recvs.items()):
         buffer = recv_buffers[peer]
+        stats.bytes_received += buffer.numel()
         if options.checksum and _crc(buffer) != int(recv_sums[peer].item()):
             names = sorted({t.tensor for t in bucket})
-            raise ChecksumMismatchError(
+            mismatch = mismatch or ChecksumMismatchError(
                 f"checksum mismatch in round {round_index} from process {peer}: {len(bucket)} boxes of "
                 f"{names[:3]}{'...' if len(names) > 3 else ''}; the migrated state is corrupt and was not accepted"
             )
+            continue  # never write bytes known to be corrupt
         _unpack(bucket, buffer, new)
-        stats.bytes_received += buffer.numel()
+    return mismatch
 
 
 def _device_of(*tensor_maps: dict[str, torch.Tensor]) -> torch.device:
-    for tensors in tensor_maps:
-        for tensor in tensors.values():
-            return tensor.device
-    return torch.device("cpu")
+    """Where the communication buffers live: the accelerator when any state is on one (NCCL cannot send CPU
+    tensors, and scalar optimizer state such as AdamW's ``step`` often stays on the CPU), else the CPU."""
+    devices = [tensor.device for tensors in tensor_maps for tensor in tensors.values()]
+    return next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
 
 
 def max_single_row_bytes(plan: RankPlan) -> int:
-    """The indivisible unit of a bucket: one row of the widest transfer (for the peak-memory bound)."""
+    """Bytes of one row (dim-0 index) of the widest transfer of ``plan``.
+
+    A looser bound than the executor keeps: rows wider than a pair's bucket are cut further, so the buffers of a
+    round stay within ``bucket_bytes`` alone; ``bucket_bytes + max_single_row_bytes(plan)`` therefore always holds.
+    """
     rows = [t.nbytes // max(1, t.box.shape[0]) if t.box.ndim else t.nbytes for t in (*plan.sends, *plan.recvs)]
     return max(rows, default=0)
 

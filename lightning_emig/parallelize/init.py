@@ -5,8 +5,8 @@ Invariants:
 * the full value of every parameter is a function of ``(seed, parameter name)`` only: it is generated on the CPU
   from its own ``torch.Generator``, then each rank copies the slice it holds. The same seed therefore gives the
   same full weights for any layout, world size or device, and adding a parameter does not shift the others;
-* the local slice is cut by ``distribute_tensor(..., src_data_rank=None)``, which follows the parameter's own
-  placements — including FSDP2's ``_StridedShard`` on TP-sharded dims — and communicates nothing;
+* the local slice is cut by our shard geometry (``TensorSharding``), which follows the parameter's own placements
+  exactly as FSDP2 stores them — including uneven ``_StridedShard`` on TP-sharded dims — and communicates nothing;
 * non-persistent buffers (RoPE tables) are recomputed by the model's ``init_buffers`` hook;
 * works without ``torch.distributed`` initialized (plain tensors).
 
@@ -41,14 +41,31 @@ def full_initial_value(model: ParallelizableModel, name: str, shape: torch.Size,
 
 
 def local_slice(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """The part of ``full`` that this rank holds for ``param`` (all of it for a plain tensor)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    """The part of ``full`` that this rank holds for ``param`` (all of it for a plain tensor).
+
+    The slice is cut from our own shard geometry, not by ``distribute_tensor``: for FSDP2 over TP with an
+    uneven split (``dp_shard >= 3`` on a dim it does not divide) ``distribute_tensor`` either refuses the
+    ``_StridedShard`` or cuts a different slice than the one FSDP2 stores, while
+    :class:`~lightning_emig.migration.geometry.TensorSharding` describes exactly what FSDP2 stores.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from lightning_emig.migration.geometry import TensorSharding
 
     if not isinstance(param, DTensor):
         return full
-    # src_data_rank=None: every rank already has the full value, so each just keeps its own chunk.
-    sharded = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-    return sharded.to_local()
+    mesh = param.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise RuntimeError("this rank is not on the parameter's device mesh; it holds no slice to initialize")
+    holding = TensorSharding.create(tuple(full.shape), tuple(mesh.shape), param.placements).holding(coordinate)
+    assert holding is not None  # no pipeline stage given, so every coordinate holds something (maybe empty)
+    local = torch.empty(holding.local_shape, dtype=full.dtype, device=full.device)
+    for piece in holding.pieces:
+        local[tuple(slice(a, b) for a, b in piece.local_box.bounds)] = full[
+            tuple(slice(a, b) for a, b in piece.global_box.bounds)
+        ]
+    return local
 
 
 def materialize_and_init(model: ParallelizableModel, device: torch.device | str, seed: int) -> None:
