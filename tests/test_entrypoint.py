@@ -58,3 +58,17 @@ def test_bad_config_fails_with_a_clear_message(tmp_path: Path, override: str, me
     result = run_command(cmd, timeout_s=60, cwd=REPO)
     assert result.returncode != 0
     assert message in result.stdout
+
+
+def test_wandb_logs_offline_under_one_stable_run_id(tmp_path: Path) -> None:
+    from lightning_emig.training.builders import _stable_run_id
+
+    run_dir = tmp_path / "run"
+    cmd = python_module_command("lightning_emig.train", "logger=wandb", *QUICK, "trainer.global_batch_size=4",
+                                f"hydra.run.dir={run_dir}")
+    result = run_command(cmd, timeout_s=180, cwd=REPO, env={"WANDB_MODE": "offline"})
+    assert result.returncode == 0, result.stdout[-4000:]
+    runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    # The id is derived from the run directory, so restarts and later generations append to the same run.
+    assert runs[0].name.endswith(_stable_run_id(run_dir))
