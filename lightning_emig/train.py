@@ -3,11 +3,17 @@
 Works under Lightning's own launcher (``trainer.devices=4`` spawns the processes) and under torchrun
 (``torchrun --nproc-per-node=4 -m lightning_emig.train``), with one run directory shared by every rank.
 At the end rank 0 prints and writes ``summary.json``: first and last loss, tokens per second, layout.
+
+Under ``lightning-emig-run`` a fit may end early to hand its live state to a newer generation (a node
+joined, see :mod:`lightning_emig.membership`). This process then switches to the new generation's process
+group and starts the next ``fit(ckpt_path="live")`` with the same LightningModule (its model dropped, its
+history kept); a worker started into a live generation begins with ``fit(ckpt_path="live")`` directly.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -22,17 +28,61 @@ register_configs()
 
 
 def run_training(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    from lightning_emig.membership import LIVE_CHECKPOINT, joining_live
     from lightning_emig.training.builders import build_run, resolve_resume
 
-    parts = build_run(cfg, run_dir)  # type: ignore[arg-type]
     start = time.perf_counter()
-    parts.trainer.fit(parts.module, train_dataloaders=parts.loader, ckpt_path=resolve_resume(cfg, run_dir))  # type: ignore[arg-type]
+    parts = build_run(cfg, run_dir)  # type: ignore[arg-type]
+    ckpt_path = LIVE_CHECKPOINT if joining_live() else resolve_resume(cfg, run_dir)  # type: ignore[arg-type]
+    agree_seconds: list[float] = []
+    events: list[Any] = []
+    while True:
+        parts.trainer.fit(parts.module, train_dataloaders=parts.loader, ckpt_path=ckpt_path)
+        agree_seconds += _agree_seconds(parts)
+        events += parts.strategy.events
+        handoff = parts.strategy.pending_handoff
+        if handoff is None:
+            break
+        handoff.lap("teardown")
+        switch_to_generation(handoff.generation, timeout=parts.strategy.timeout)
+        handoff.lap("group")
+        _drop_model(parts.module)
+        parts = build_run(cfg, run_dir, handoff=handoff, module=parts.module)  # type: ignore[arg-type]
+        ckpt_path = LIVE_CHECKPOINT
     seconds = time.perf_counter() - start
     summary = _summary(parts, seconds, cfg)
+    summary["events"] = [event.as_dict() for event in events]
+    summary["agree_seconds"] = agree_seconds
     if parts.trainer.is_global_zero:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         _print_summary(summary)
     return summary
+
+
+def switch_to_generation(generation: int, *, timeout: Any) -> None:
+    """Leave the current process group and form ``generation``'s, same backend (this process keeps running)."""
+    import os
+
+    import torch.distributed as dist
+
+    from lightning_emig.launcher.generation import ENV_NODE_ID, control_client_from_env, read_generation
+    from lightning_emig.membership import apply_generation_env, form_generation_group
+
+    info = read_generation(control_client_from_env(), generation)
+    rank = apply_generation_env(info, os.environ[ENV_NODE_ID], int(os.environ["LOCAL_RANK"]))
+    backend = dist.get_backend() if dist.is_initialized() else "gloo"
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    form_generation_group(info, rank, backend, timeout)
+
+
+def _drop_model(module: Any) -> None:
+    """The next fit's ``configure_model`` builds the model for the new world (the live state is in the handoff)."""
+    import gc
+
+    for name, _ in list(module.named_children()):
+        setattr(module, name, None)
+    gc.collect()
 
 
 def _summary(parts: Any, seconds: float, cfg: DictConfig) -> dict[str, Any]:
@@ -55,7 +105,17 @@ def _summary(parts: Any, seconds: float, cfg: DictConfig) -> dict[str, Any]:
         "seconds": seconds,
         "tokens_per_second": tokens_per_second,
         "run_dir": str(parts.run_dir),
+        "pid": os.getpid(),
     }
+
+
+def _agree_seconds(parts: Any) -> list[float]:
+    from lightning_emig.membership import RendezvousCallback
+
+    for callback in parts.trainer.callbacks:
+        if isinstance(callback, RendezvousCallback):
+            return callback.agree_seconds
+    return []
 
 
 def _print_summary(summary: dict[str, Any]) -> None:

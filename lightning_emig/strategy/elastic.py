@@ -10,13 +10,19 @@ What the strategy owns, and nothing more (elasticity stays inside this boundary,
 * the data position: a :class:`MicroBatchLoader` is told this rank's data-parallel coordinate, and its committed
   global offset advances by one global batch after every optimizer step;
 * sharded PyTorch Distributed Checkpoints (model, optimizer, scheduler, data offset, loop counters, RNG) that
-  load under any other layout (resharding on load).
+  load under any other layout (resharding on load);
+* the live join (``fit(ckpt_path="live")``): under ``lightning-emig-run`` it forms the generation's process group
+  itself, lays the model out for the new world by :func:`~lightning_emig.membership.handoff.layout_for_new_world`,
+  and in ``load_checkpoint`` receives the state from the processes that kept running
+  (:func:`~lightning_emig.membership.handoff.join_live`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +43,8 @@ if TYPE_CHECKING:
     from lightning.fabric.utilities.types import _PATH
     from torch.optim import Optimizer
 
+    from lightning_emig.membership.handoff import JoinResult, LiveHandoff
+
 log = logging.getLogger(__name__)
 
 #: Key of our own section in Lightning's checkpoint dict (saved by rank 0 beside the sharded tensors).
@@ -55,6 +63,8 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         seed: Seed used to re-derive RNG states for ranks that have no saved state after a world change.
         bucket_bytes: Memory budget of a migration's transfer buffers per process (default 256 MiB).
         checksum: Verify every migrated bucket with a CRC32 (costs a pass over the bytes on both ends).
+        handoff: Live state carried over from the previous generation's ``Trainer.fit`` in this process
+            (``fit(ckpt_path="live")`` then moves it into the new world).
     """
 
     def __init__(
@@ -68,6 +78,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         seed: int = 0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         checksum: bool = False,
+        handoff: LiveHandoff | None = None,
     ) -> None:
         super().__init__(
             data_parallel_size=1,
@@ -91,6 +102,12 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         """True while ``configure_model`` runs for a migration: it may skip initialisation."""
         self.events: list[ReconfigureEvent] = []
         self._pending_layout: HybridLayout | None = None
+        self._incoming_handoff = handoff
+        self.pending_handoff: LiveHandoff | None = None
+        """Set by ``RendezvousCallback`` when this fit stops to hand its state to a newer generation."""
+        self.generation = handoff.generation if handoff is not None else _start_generation()
+        """The launcher generation this fit runs in (0 outside ``lightning-emig-run``)."""
+        self._join: tuple[JoinResult, float] | None = None
 
     # ------------------------------------------------------------------ layout
     @property
@@ -109,15 +126,57 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             raise RuntimeError("the batch plan exists once the layout is resolved (from configure_model on)")
         return self._batch_plan
 
+    @property
+    def timeout(self) -> timedelta:
+        """Timeout of every collective (and of forming a generation's process group)."""
+        return self._timeout
+
+    @property
+    def live_join(self) -> bool:
+        """This fit receives its state from running processes (``fit(ckpt_path="live")``)."""
+        from lightning_emig.membership.group import joining_live
+
+        return self._incoming_handoff is not None or joining_live()
+
     @override
     def setup_environment(self) -> None:
+        self._form_generation_group()
         # Skip ModelParallelStrategy's 2-D mesh: ours is built from the layout.
         self._setup_distributed()
-        layout = self._requested_layout.resolve(self.world_size)
+        if self.live_join:
+            from lightning_emig.membership.handoff import layout_for_new_world
+
+            layout = layout_for_new_world(self._requested_layout, self.world_size)
+            self.migrating = True  # configure_model must not initialise: the join overwrites every tensor
+        else:
+            layout = self._requested_layout.resolve(self.world_size)
         plan = BatchPlan(
             global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size, dp_degree=layout.dp
         )
         self._install_mesh(build_mesh(layout, self.root_device.type), plan)
+
+    def _form_generation_group(self) -> None:
+        """Under lightning-emig-run, after a live change, torchrun's env:// rendezvous no longer applies."""
+        import torch.distributed as dist
+
+        from lightning_emig.membership.group import (
+            announce_ready,
+            apply_generation_env,
+            form_generation_group,
+            under_launcher,
+        )
+
+        if dist.is_initialized() or not under_launcher() or not (self.generation > 0 or self.live_join):
+            return
+        from lightning_emig.launcher.generation import control_client_from_env, read_generation
+
+        client = control_client_from_env()
+        info = read_generation(client, self.generation)
+        if self.live_join and self._incoming_handoff is None:
+            announce_ready(client, self.generation)
+        rank = apply_generation_env(info, os.environ["LIGHTNING_EMIG_NODE_ID"], int(os.environ["LOCAL_RANK"]))
+        backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+        form_generation_group(info, rank, backend, self.timeout)
 
     def _install_mesh(self, layout_mesh: LayoutMesh, plan: BatchPlan) -> None:
         self._layout_mesh = layout_mesh
@@ -243,6 +302,10 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        from lightning_emig.membership.handoff import LIVE_CHECKPOINT
+
+        if checkpoint_path == LIVE_CHECKPOINT:
+            return self._load_live()
         # RNG states are pickled Python objects (per rank), so the metadata cannot be weights_only.
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=False)
         saved = checkpoint.get(CHECKPOINT_KEY, {})
@@ -258,8 +321,53 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         )
         return checkpoint
 
+    def _load_live(self) -> dict[str, Any]:
+        from lightning_emig.membership.handoff import join_live
+
+        if not self.live_join:
+            raise RuntimeError(
+                "fit(ckpt_path='live') needs live state: a handoff from the previous fit in this process, or a "
+                "worker that lightning-emig-run started into a live generation (LIGHTNING_EMIG_JOIN_LIVE=1)"
+            )
+        handoff, self._incoming_handoff = self._incoming_handoff, None
+        if handoff is not None:
+            handoff.lap("build")
+        module = self.lightning_module
+        assert module is not None
+        try:
+            metadata, result = join_live(self, module.trainer, handoff, os.environ.get("LIGHTNING_EMIG_NODE_ID", ""))
+        finally:
+            self.migrating = False
+        self._join = (result, time.perf_counter())
+        if self.global_rank == 0:
+            log.warning(
+                "joined generation %d: world %d -> %d, %s -> %s, %.1f MB moved, resuming at step %d",
+                self.generation, result.old_world, self.world_size, result.old_layout.describe(),
+                self.layout.describe(), result.bytes_moved / 1e6, result.step,
+            )
+        return metadata
+
+    def finish_join_event(self, trainer: pl.Trainer) -> None:
+        """Record the join once the first step on the new world has finished (or the fit ends without one)."""
+        if self._join is None:
+            return
+        result, loaded_at = self._join
+        self._join = None
+        seconds = {**result.seconds, "first_step": time.perf_counter() - loaded_at}
+        self._record_event(trainer, ReconfigureEvent(
+            kind="join", step=result.step, old_layout=result.old_layout.as_dict(), new_layout=self.layout.as_dict(),
+            old_world=result.old_world, new_world=self.world_size, bytes_moved=result.bytes_moved,
+            bytes_copied_locally=result.bytes_copied_locally, seconds=seconds, generation=self.generation,
+            downtime_seconds=time.time() - result.last_step_wall,
+        ))
+
     @override
     def teardown(self) -> None:
         self._loaders.clear()
         super().teardown()
 
+
+def _start_generation() -> int:
+    from lightning_emig.launcher.generation import ENV_GENERATION
+
+    return int(os.environ.get(ENV_GENERATION, "0"))

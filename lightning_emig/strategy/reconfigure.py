@@ -50,13 +50,19 @@ class ReconfigureEvent:
     bytes_moved: int = 0
     bytes_copied_locally: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
+    generation: int | None = None
+    """The launcher generation the change led to (membership changes only)."""
+    downtime_seconds: float | None = None
+    """Last step finished on the old world to first step finished on the new (membership changes only)."""
 
     def as_dict(self) -> dict[str, Any]:
+        extra = {k: v for k, v in (("generation", self.generation), ("downtime_seconds", self.downtime_seconds))
+                 if v is not None}
         return {
             "kind": self.kind, "step": self.step, "old_layout": self.old_layout, "new_layout": self.new_layout,
             "old_world": self.old_world, "new_world": self.new_world, "bytes_moved": self.bytes_moved,
             "bytes_copied_locally": self.bytes_copied_locally, "seconds": self.seconds,
-            "total_seconds": sum(self.seconds.values()),
+            "total_seconds": sum(self.seconds.values()), **extra,
         }
 
 

@@ -28,18 +28,11 @@ from lightning_emig.launcher.generation import (
     read_generation,
     wait_for_generation,
 )
+from lightning_emig.membership.group import form_generation_group
 
 
 def form_group(info: GenerationInfo, rank: int, timeout_s: float) -> None:
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        info.master_addr, info.master_port, world_size=info.world_size, is_master=rank == 0,
-        wait_for_workers=False, timeout=timeout,
-    )
-    dist.init_process_group(
-        "gloo", store=dist.PrefixStore(info.store_prefix, store), rank=rank, world_size=info.world_size,
-        timeout=timeout,
-    )
+    form_generation_group(info, rank, "gloo", timedelta(seconds=timeout_s))
 
 
 def main(argv: list[str] | None = None) -> None:

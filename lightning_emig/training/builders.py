@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger
 
 from lightning_emig.config import TrainConfig
@@ -22,6 +21,7 @@ from lightning_emig.data.loader import MicroBatchLoader
 from lightning_emig.data.sampler import GlobalOffsetSampler
 from lightning_emig.data.stream import MicroBatchStream
 from lightning_emig.layout import HybridLayout
+from lightning_emig.membership import HandoffAwareCheckpoint, LiveHandoff, RendezvousCallback
 from lightning_emig.strategy import ElasticMigrationStrategy
 from lightning_emig.strategy.schedule import LayoutSchedule
 from lightning_emig.training.module import LlamaLightningModule
@@ -54,7 +54,7 @@ def build_loader(cfg: TrainConfig) -> MicroBatchLoader:
     return MicroBatchLoader(MicroBatchStream(dataset, sampler, cfg.trainer.micro_batch_size))
 
 
-def build_strategy(cfg: TrainConfig) -> ElasticMigrationStrategy:
+def build_strategy(cfg: TrainConfig, handoff: LiveHandoff | None = None) -> ElasticMigrationStrategy:
     return ElasticMigrationStrategy(
         layout=HybridLayout(**_section_dict(cfg.layout)),
         global_batch_size=cfg.trainer.global_batch_size,
@@ -63,6 +63,7 @@ def build_strategy(cfg: TrainConfig) -> ElasticMigrationStrategy:
         seed=cfg.trainer.seed,
         bucket_bytes=cfg.elastic.bucket_mb << 20,
         checksum=cfg.elastic.checksum,
+        handoff=handoff,
     )
 
 
@@ -92,18 +93,27 @@ def build_loggers(cfg: TrainConfig, run_dir: Path) -> list[Logger]:
     return loggers
 
 
-def build_run(cfg: TrainConfig, run_dir: Path) -> RunParts:
+def build_run(
+    cfg: TrainConfig, run_dir: Path, *, handoff: LiveHandoff | None = None,
+    module: LlamaLightningModule | None = None,
+) -> RunParts:
+    """Build a run; with ``handoff`` (and the previous fit's ``module``) the next fit of a live membership change.
+
+    ``module`` is reused so its history (step losses, times) spans generations; its model must have been
+    dropped (every direct child set to None) so ``configure_model`` builds it for the new world.
+    """
     _check_sequence_fits_model(cfg)
     devices, num_nodes = _process_topology(cfg)
-    strategy = build_strategy(cfg)
-    module = LlamaLightningModule(
-        model_size=cfg.model.size,
-        optim=OptimConfig(**_section_dict(cfg.optim)),
-        max_steps=cfg.trainer.max_steps,
-        seed=cfg.trainer.seed,
-    )
+    strategy = build_strategy(cfg, handoff)
+    if module is None:
+        module = LlamaLightningModule(
+            model_size=cfg.model.size,
+            optim=OptimConfig(**_section_dict(cfg.optim)),
+            max_steps=cfg.trainer.max_steps,
+            seed=cfg.trainer.seed,
+        )
     every = cfg.trainer.checkpoint_every_n_steps
-    checkpoint = ModelCheckpoint(
+    checkpoint = HandoffAwareCheckpoint(
         dirpath=str(run_dir / "checkpoints"),
         filename="step{step:06d}",
         auto_insert_metric_name=False,
@@ -129,8 +139,8 @@ def build_run(cfg: TrainConfig, run_dir: Path) -> RunParts:
     return RunParts(trainer, module, build_loader(cfg), strategy, run_dir)
 
 
-def _callbacks(cfg: TrainConfig, checkpoint: ModelCheckpoint) -> list[Any]:
-    callbacks: list[Any] = [checkpoint]
+def _callbacks(cfg: TrainConfig, checkpoint: HandoffAwareCheckpoint) -> list[Any]:
+    callbacks: list[Any] = [checkpoint, RendezvousCallback()]
     if cfg.trainer.progress_bar:
         callbacks.append(StepProgressBar())
     schedule = build_schedule(cfg)

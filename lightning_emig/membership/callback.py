@@ -1,0 +1,158 @@
+"""``RendezvousCallback``: at every optimizer-step boundary, agree whether a newer generation is published.
+
+The protocol, per step (only under ``lightning-emig-run``; elsewhere the callback does nothing):
+
+1. global rank 0 reads ``latest_generation`` from the control store, at most every ``poll_interval_s``, and
+   reports a newer generation only once every worker started into it has announced itself ready (or
+   ``joiner_wait_s`` passed): until then training goes on, so the joiners' start-up costs no downtime;
+2. one ``all_reduce(MAX)`` of that number over the world: every rank decides the same thing at the same step
+   (its cost is kept in :attr:`RendezvousCallback.agree_seconds`);
+3. when it is newer than the generation this Trainer runs in, every rank captures its resume metadata *now*
+   (the same consistent mid-epoch state a ``ModelCheckpoint`` saved in ``on_train_batch_end`` would hold) and
+   references to its live model and optimizer tensors, leaves them on the strategy as a
+   :class:`~lightning_emig.membership.handoff.LiveHandoff`, and stops the fit. The caller then starts a new
+   ``Trainer.fit(ckpt_path="live")`` in the same process, in the new generation.
+
+No checkpoint is written because of that stop: :class:`HandoffAwareCheckpoint` skips saving while a handoff is
+pending (this also skips a periodic checkpoint that would have fallen on exactly that step).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import lightning
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.trainer import call
+from typing_extensions import override
+
+from lightning_emig.launcher.generation import control_client_from_env, latest_generation, read_generation
+from lightning_emig.membership.group import joiners_ready, under_launcher
+from lightning_emig.membership.handoff import LiveHandoff
+from lightning_emig.migration.state import training_state
+from lightning_emig.strategy.boundary import _at_step_boundary
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
+
+
+class RendezvousCallback(Callback):
+    """Stops ``Trainer.fit`` at the first optimizer-step boundary after a new generation is published.
+
+    Args:
+        poll_interval_s: Rank 0 reads the control store at most this often (the all-reduce runs every step).
+        joiner_wait_s: How long training goes on after a generation appears while its joiners start up; then
+            the change goes ahead anyway (a joiner that never comes surfaces as a process-group timeout).
+        store_timeout_s: Timeout of the control-store client (rank 0 only).
+    """
+
+    def __init__(self, poll_interval_s: float = 0.25, joiner_wait_s: float = 120.0, store_timeout_s: float = 60.0
+                 ) -> None:
+        self.poll_interval_s = poll_interval_s
+        self.joiner_wait_s = joiner_wait_s
+        self.store_timeout_s = store_timeout_s
+        self.agree_seconds: list[float] = []
+        """Seconds of each step's check (store read on rank 0 + the all-reduce): the steady-state cost."""
+        self._client: Any = None
+        self._last_poll = float("-inf")
+        self._seen: dict[int, float] = {}  # generation -> monotonic time rank 0 first saw it
+
+    @property
+    def enabled(self) -> bool:
+        return under_launcher()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self.enabled or not _at_step_boundary(trainer):
+            return
+        strategy: Any = trainer.strategy
+        strategy.finish_join_event(trainer)
+        last_step_wall = time.time()
+        start = time.perf_counter()
+        latest = self._poll(strategy.generation) if trainer.global_rank == 0 else -1
+        detect = time.perf_counter() - start
+        agreed = torch.tensor([latest], dtype=torch.int64, device=strategy.root_device)
+        if dist.is_initialized():
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        latest = int(agreed.item())
+        self.agree_seconds.append(time.perf_counter() - start)
+        if latest <= strategy.generation:
+            return
+        handoff = capture_handoff(trainer, new_generation=latest, last_step_wall=last_step_wall)
+        handoff.seconds.update(detect=detect, agree=self.agree_seconds[-1] - detect)
+        handoff.lap("capture")
+        strategy.pending_handoff = handoff
+        trainer.should_stop = True
+        if trainer.global_rank == 0:
+            log.warning(
+                "generation %d published: handing over live state after step %d (world %d, %s)",
+                latest, trainer.global_step, strategy.world_size, strategy.layout.describe(),
+            )
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A join at the last step: the new fit restores max_steps and runs no step; still record the event.
+        finish = getattr(trainer.strategy, "finish_join_event", None)
+        if finish is not None:
+            finish(trainer)
+
+    def _poll(self, current: int) -> int:
+        """Rank 0: the newest generation whose joiners are all ready, else ``current``."""
+        now = time.monotonic()
+        if now - self._last_poll < self.poll_interval_s:
+            return current
+        self._last_poll = now
+        if self._client is None:
+            self._client = control_client_from_env(timeout_s=self.store_timeout_s)
+        latest = latest_generation(self._client)
+        if latest <= current:
+            return current
+        first_seen = self._seen.setdefault(latest, now)
+        if joiners_ready(self._client, read_generation(self._client, latest)):
+            log.info("generation %d: joiners ready %.2fs after it was seen; training went on meanwhile",
+                     latest, now - first_seen)
+            return latest
+        if now - first_seen > self.joiner_wait_s:
+            log.warning("generation %d: joiners not ready after %.0fs; changing anyway", latest, self.joiner_wait_s)
+            return latest
+        return current
+
+
+def capture_handoff(trainer: pl.Trainer, *, new_generation: int, last_step_wall: float) -> LiveHandoff:
+    """The live state and resume metadata of this process, at an optimizer-step boundary."""
+    strategy: Any = trainer.strategy
+    module = trainer.lightning_module
+    optimizer = trainer.optimizers[0]
+    metadata = {
+        "epoch": trainer.current_epoch,
+        "global_step": trainer.global_step,
+        "pytorch-lightning_version": lightning.__version__,
+        "loops": trainer._checkpoint_connector._get_loops_state_dict(),  # noqa: SLF001 - what dump_checkpoint saves
+        "callbacks": call._call_callbacks_state_dict(trainer),  # noqa: SLF001
+        "lr_schedulers": [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs],
+        "optimizer_hyper": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+        "lightning_emig": {"layout": strategy.layout.as_dict(), "world_size": strategy.world_size},
+    }
+    return LiveHandoff(
+        generation=new_generation, old_generation=strategy.generation, old_layout=strategy.layout,
+        old_world=strategy.world_size, old_rank=strategy.global_rank, state=training_state(module, optimizer),
+        metadata=metadata, last_step_wall=last_step_wall,
+    )
+
+
+class HandoffAwareCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` that saves nothing while live state is being handed to a new generation."""
+
+    @override
+    def _should_skip_saving_checkpoint(self, trainer: pl.Trainer) -> bool:
+        if getattr(trainer.strategy, "pending_handoff", None) is not None:
+            return True
+        return super()._should_skip_saving_checkpoint(trainer)

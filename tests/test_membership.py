@@ -1,0 +1,165 @@
+"""Live membership changes in training: a node joins a running ``lightning-emig-run`` job.
+
+Node A (127.0.0.2) starts alone and trains; once it has saved its step-10 checkpoint, node B (127.0.0.3)
+starts. At the next optimizer-step boundary A's worker agrees on generation 1, ends its ``fit`` without
+writing a checkpoint, switches process groups and starts ``fit(ckpt_path="live")`` in the same process; B's
+worker starts there directly, and the parameters and optimizer state move point to point. Specification:
+
+* both agents exit 0 and A's worker keeps its process id (it is never restarted);
+* ``events.jsonl`` holds exactly one ``join`` event, world 1 -> 2, with bytes moved;
+* the run reaches ``max_steps`` and every step's loss equals the uninterrupted single-process run with the
+  same global batch, to a relative 1e-4 (two FSDP ranks sum gradients in another order than one process
+  accumulating four micro-batches; the data order is the same by construction);
+* pure helpers: the layout rule for a new world and the generation environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_emig.launcher.generation import GenerationInfo, NodeEntry
+from lightning_emig.layout import HybridLayout
+from lightning_emig.membership import generation_env, layout_for_new_world
+from lightning_emig.testing.commands import (
+    descendants,
+    is_alive,
+    kill_tree,
+    python_module_command,
+    run_command,
+)
+from lightning_emig.testing.distributed import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_STEPS = 300
+TRAIN = ["data=synthetic", "model=tiny", f"trainer.max_steps={MAX_STEPS}", "trainer.global_batch_size=8",
+         "trainer.micro_batch_size=2", "trainer.progress_bar=false", "trainer.pg_timeout_s=60"]
+REL_TOL = 1e-4
+
+
+# --- pure ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("requested", "world", "expected"),
+    [
+        (HybridLayout(), 2, HybridLayout(dp_shard=2)),
+        (HybridLayout(tp=2), 4, HybridLayout(dp_shard=2, tp=2)),
+        (HybridLayout(tp=2), 3, HybridLayout(dp_shard=3)),  # tp does not divide: pure FSDP
+        (HybridLayout(dp_replicate=2, dp_shard=2), 6, HybridLayout(dp_replicate=2, dp_shard=3)),
+        (HybridLayout(dp_shard=2, tp=2), 8, HybridLayout(dp_shard=4, tp=2)),
+    ],
+)
+def test_layout_for_a_new_world_keeps_what_divides_it(requested: HybridLayout, world: int,
+                                                      expected: HybridLayout) -> None:
+    assert layout_for_new_world(requested, world) == expected.resolve(world)
+
+
+def test_generation_env_describes_the_new_world_to_lightning() -> None:
+    info = GenerationInfo(
+        generation=1, world_size=3, master_addr="127.0.0.2", master_port=29511,
+        nodes=(NodeEntry(node_id="a_1", ranks=(0,), kept_workers=True),
+               NodeEntry(node_id="b_2", ranks=(2, 1), kept_workers=False)),
+    )
+    env = generation_env(info, "b_2", 1)
+    assert env == {"RANK": "1", "WORLD_SIZE": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+                   "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.2", "MASTER_PORT": "29511"}
+
+
+# --- two simulated nodes ---------------------------------------------------------------------------
+
+
+def _start_node(tmp_path: Path, name: str, local_addr: str, port: int, run_dir: Path) -> subprocess.Popen:
+    cmd = [
+        sys.executable, "-m", "lightning_emig.run", "--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=live-train", "--rdzv-conf=last_call_timeout=2",
+        f"--local-addr={local_addr}", "--max-restarts=0", "--monitor-interval=0.2",
+        "-m", "lightning_emig.train", *TRAIN, "trainer.checkpoint_every_n_steps=10", f"hydra.run.dir={run_dir}",
+    ]
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+    log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed with the process below
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    return proc
+
+
+def _wait_for(predicate, timeout_s: float, what: str) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.1)
+
+
+def _log(tmp_path: Path, name: str) -> str:
+    return (tmp_path / f"{name}.log").read_text()[-6000:]
+
+
+def _median_ms(seconds: list[float]) -> float:
+    return sorted(seconds)[len(seconds) // 2] * 1e3 if seconds else float("nan")
+
+
+def _reference_losses(tmp_path: Path) -> dict[str, float]:
+    run_dir = tmp_path / "reference"
+    cmd = python_module_command("lightning_emig.train", *TRAIN, f"hydra.run.dir={run_dir}")
+    result = run_command(cmd, timeout_s=120, cwd=REPO, env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-4000:]
+    return json.loads((run_dir / "summary.json").read_text())["step_losses"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_node_joins_live_training_without_restarting_the_survivor(tmp_path: Path) -> None:
+    port = free_port()
+    run_dir = tmp_path / "run"
+    agents: dict[str, subprocess.Popen] = {}
+    try:
+        agents["a"] = _start_node(tmp_path, "a", "127.0.0.2", port, run_dir)
+        _wait_for(lambda: (run_dir / "checkpoints" / "step000010.ckpt").exists() or agents["a"].poll() is not None,
+                  90, f"node A did not reach step 10:\n{_log(tmp_path, 'a')}")
+        assert agents["a"].poll() is None, _log(tmp_path, "a")
+        a_workers = [p for p in descendants(agents["a"].pid) if is_alive(p)]
+        agents["b"] = _start_node(tmp_path, "b", "127.0.0.3", port, run_dir)
+        for name, proc in agents.items():
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"agent {name} did not finish; its log:\n{_log(tmp_path, name)}")
+        for name, proc in agents.items():
+            assert proc.returncode == 0, f"agent {name} failed:\n{_log(tmp_path, name)}"
+    finally:
+        for proc in agents.values():
+            kill_tree(proc.pid)
+            proc.wait(timeout=10)
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["pid"] in a_workers, "node A's worker was restarted (rank 0 of the final world is A's)"
+    assert summary["world_size"] == 2 and summary["layout"]["dp_shard"] == 2
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [(e["kind"], e["old_world"], e["new_world"]) for e in events] == [("join", 1, 2)], events
+    (join,) = events
+    assert join["bytes_moved"] > 0
+    assert 10 <= join["step"] < MAX_STEPS, "B joined too late to test training on the bigger world"
+    assert not (run_dir / "checkpoints" / f"step{join['step']:06d}.ckpt").exists(), "the handoff wrote a checkpoint"
+
+    losses = summary["step_losses"]
+    assert sorted(int(k) for k in losses) == list(range(MAX_STEPS))
+    reference = _reference_losses(tmp_path)
+    worst = max(abs(losses[k] - reference[k]) / abs(reference[k]) for k in reference)
+    assert worst < REL_TOL, f"loss curve departs from the reference by {worst:.2e} (relative)"
+    agree = summary["agree_seconds"]
+    print(
+        f"\nlive join at step {join['step']}: downtime {join['downtime_seconds']:.2f}s, "
+        f"{join['bytes_moved'] / 1e6:.2f} MB moved; phases "
+        + ", ".join(f"{k} {v:.3f}s" for k, v in join["seconds"].items())
+        + f"; per-step check median {_median_ms(agree[:join['step']]):.2f} ms on 1 rank, "
+        f"{_median_ms(agree[join['step']:]):.2f} ms on 2 (includes waiting for the slower rank); "
+        f"worst relative loss gap {worst:.1e}"
+    )
