@@ -31,9 +31,8 @@ from lightning_emig.migration.geometry import (
     rank_to_coordinate,
     shard_boxes,
     shard_holdings,
-    stage_layer_ranges,
-    stage_of,
 )
+from lightning_emig.migration.stages import stage_layer_ranges, stage_of
 from lightning_emig.testing.distributed import run_distributed
 
 

@@ -20,7 +20,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_emig.layout import HybridLayout
-from lightning_emig.migration.geometry import ShardBox, TensorSharding, stage_of
+from lightning_emig.migration.geometry import ShardBox, TensorSharding
 from lightning_emig.migration.planner import (
     IdentityMap,
     PlanError,
@@ -34,6 +34,7 @@ from lightning_emig.migration.planner import (
     plan_all,
     plan_for_rank,
 )
+from lightning_emig.migration.stages import stage_of
 
 N_LAYERS = 4
 

@@ -1,7 +1,9 @@
-"""Direct model-state migration: shard geometry and the point-to-point transfer planner.
+"""Direct model-state migration, from pure planning to the wire.
 
-``geometry`` says which global box every rank of a layout holds; ``planner`` turns the old and new geometry plus
-the identity map (which process keeps which rank) into each process's own copies, sends and receives.
+``boxes`` and ``geometry`` say which global box every rank of a layout holds (``stages`` which pipeline stage
+owns a parameter); ``planner`` turns the old and new geometry plus the identity map (which process keeps which
+rank) into each process's own copies, sends and receives; ``state`` names the training state as migratable
+tensors; ``transfer`` runs a plan in bucketed point-to-point rounds; ``engine.migrate`` ties them together.
 """
 
 from lightning_emig.migration.geometry import (
@@ -17,8 +19,6 @@ from lightning_emig.migration.geometry import (
     rank_to_coordinate,
     shard_boxes,
     shard_holdings,
-    stage_layer_ranges,
-    stage_of,
 )
 from lightning_emig.migration.planner import (
     IdentityMap,
@@ -35,6 +35,7 @@ from lightning_emig.migration.planner import (
     plan_all,
     plan_for_rank,
 )
+from lightning_emig.migration.stages import stage_layer_ranges, stage_of
 
 __all__ = [
     "GeometryError",
