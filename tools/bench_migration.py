@@ -1,0 +1,643 @@
+"""Migration cost: direct migration vs DCP (disk, tmpfs) vs gather-to-rank-0 + broadcast, same state, one run.
+
+For every model and transition (same world, or a world that loses or gains processes) the same source state —
+parameters plus AdamW ``exp_avg`` / ``exp_avg_sq`` / ``step`` — is moved from the old layout into the same
+pre-allocated model and optimizer under the new layout, by each method in turn:
+
+* ``direct``: ``lightning_emig.migration.engine.migrate`` (planned point-to-point transfer). One untimed warm-up
+  run first (its time is kept as ``cold_seconds``), then ``--repeats`` timed runs; the fastest is reported.
+* ``dcp_disk``: ``torch.distributed.checkpoint.save`` of the live DTensors to a directory on disk (files fsynced,
+  ``sync_files=True``), then ``dcp.load`` into the new layout's DTensors (DCP reshards on load). This is DCP's best
+  case: loaded in place, no process restart, no optimizer rebuild, and the files are read back from the page cache.
+* ``dcp_tmpfs``: the same through a directory in ``/dev/shm``.
+* ``gather_bcast``: every tensor made full (``DTensor.full_tensor``, as ``get_state_dict(full_state_dict=True)`` does)
+  and kept on rank 0, then broadcast tensor by tensor from rank 0 to the new ranks, each of which keeps its own slice
+  (``distribute_tensor(src_data_rank=None)``, as ``set_state_dict(broadcast_from_rank0=True)`` does). It runs last
+  and frees the old shards once rank 0 holds the full state, as a gather-based migration would.
+
+Source state: a full initialization generates every full parameter on every rank, so instead every local shard is
+filled with an exact function of (state key, global element index) over the box the geometry says it holds
+(``step`` is 1.0). Bit-exactness is then checked on every new rank against the same function, with nothing gathered;
+DCP and ``gather_bcast`` place data by DTensor's own rules, so their checks also cross-check the geometry
+(``--full-check`` additionally compares ``full_tensor()`` of the source and of ``direct``'s result).
+
+Each record's fields:
+
+* ``seconds``: barrier, method, barrier, on the slowest process; ``phases``: per-phase seconds, max over processes;
+* ``bytes_moved``: ``direct``: bytes received over the wire (sum over processes); ``dcp_*``: checkpoint bytes
+  written + bytes read back by the new ranks; ``gather_bcast``: logical bytes, what a gather to rank 0 receives
+  plus what the broadcast delivers (``full_tensor`` all-gathers, so the wire carries more);
+* ``link_limit_seconds``: a raw ``batch_isend_irecv`` of preallocated contiguous buffers with exactly ``direct``'s
+  per-pair byte counts, after a warm-up exchange, fastest of ``--repeats`` (the same for every method of a transition);
+* ``peak_extra_bytes``: ``direct``: the transfer's largest send + receive buffer space in one round
+  (``TransferStats.peak_buffer_bytes``, max over processes); the others: measured growth of the busiest process's
+  peak RSS over its RSS just before (freed heap returned with ``malloc_trim``, VmHWM reset through
+  ``/proc/self/clear_refs``), plus the checkpoint's bytes for ``dcp_tmpfs`` (tmpfs is RAM; the disk page cache is
+  not counted), and at least the full state for ``gather_bcast`` (rank 0 holds all of it at once).
+  ``peak_rss_extra_bytes`` is the measured figure for every method.
+
+    .venv/bin/python tools/bench_migration.py --models llama_25m --out bench_results/migration.json
+    .venv/bin/python tools/bench_migration.py --plot-only --out bench_results/migration.json  # or tools/plot_migration.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from plot_migration import METHODS, plot, summary  # tools/, beside this script
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from lightning_emig.layout import HybridLayout, LayoutMesh, build_mesh
+from lightning_emig.migration.engine import migrate
+from lightning_emig.migration.planner import IdentityMap, ProcessInfo
+from lightning_emig.migration.state import (
+    ShardingSpec,
+    allocate_optimizer_state,
+    local_of,
+    spec_of,
+    training_state,
+)
+from lightning_emig.migration.transfer import TransferOptions, max_single_row_bytes
+from lightning_emig.models.llama import Llama, get_model_config
+from lightning_emig.parallelize import materialize_empty, parallelize_model
+from lightning_emig.testing.distributed import WorkerFailed, run_distributed
+
+DEFAULT_TRANSITIONS = "s4:t2s2,t2s2:r2s2,s4:s3,s3:s4"
+_AXES = {"r": "dp_replicate", "s": "dp_shard", "t": "tp", "p": "pp"}
+_MASK = (1 << 24) - 1  # pattern values are multiples of 2**-24 in [-0.5, 0.5): exact in float32
+_MULT = 2654435761  # odd, so index -> index * _MULT is a bijection modulo 2**24
+
+
+# ------------------------------------------------------------------------------------------- transitions
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """``old:new`` in short form: ``r`` dp_replicate, ``s`` dp_shard, ``t`` tp, ``p`` pp; e.g. ``s4:t2s2``."""
+
+    name: str
+    old: dict[str, int]
+    new: dict[str, int]
+
+    @property
+    def old_world(self) -> int:
+        return math.prod(self.old.values())
+
+    @property
+    def new_world(self) -> int:
+        return math.prod(self.new.values())
+
+
+def _parse_side(text: str) -> dict[str, int]:
+    parts = re.findall(r"([rstp])(\d+)", text)
+    if not parts or "".join(a + n for a, n in parts) != text:
+        raise ValueError(
+            f"bad layout {text!r}: use letters r/s/t/p with degrees, e.g. t2s2 (tp=2, dp_shard=2)"
+        )
+    degrees = {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1}
+    for axis, n in parts:
+        degrees[_AXES[axis]] = int(n)
+    return degrees
+
+
+def parse_transitions(text: str, world: int) -> list[Transition]:
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        old, sep, new = item.partition(":")
+        if not sep:
+            raise ValueError(f"bad transition {item!r}: write OLD:NEW, e.g. s4:t2s2")
+        t = Transition(item, _parse_side(old), _parse_side(new))
+        if max(t.old_world, t.new_world) != world:
+            raise ValueError(
+                f"transition {item} spans {max(t.old_world, t.new_world)} processes but --world is {world}: every "
+                "process takes part (the larger of the two worlds must be --world)"
+            )
+        out.append(t)
+    return out
+
+
+# ------------------------------------------------------------------------------------- deterministic state
+def pattern(key: str, shape: tuple[int, ...], bounds: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """Exact float32 value of every element of ``bounds`` of state tensor ``key`` (a function of its global index)."""
+    if key.endswith("/step"):
+        return torch.ones((), dtype=torch.float32)
+    index = torch.zeros([1] * len(shape), dtype=torch.int64)
+    stride = 1
+    for dim in reversed(range(len(shape))):
+        lo, hi = bounds[dim]
+        view = [1] * len(shape)
+        view[dim] = hi - lo
+        index = index + torch.arange(lo, hi, dtype=torch.int64).mul_(stride).view(view)
+        stride *= shape[dim]
+    values = index.mul_(_MULT).add_(zlib.crc32(key.encode())).bitwise_and_(_MASK).to(torch.float32)
+    return values.mul_(2.0**-24).sub_(0.5)
+
+
+@dataclass(slots=True)
+class Side:
+    """One layout's model and optimizer on this process (absent where the process is not in that world)."""
+
+    layout: HybridLayout
+    mesh: LayoutMesh
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Every state tensor (DTensor or plain) by migration key, detached, sharing the live storage."""
+
+
+def _state_tensors(model: Any, optimizer: Any) -> dict[str, Any]:
+    out = {}
+    for name, param in model.named_parameters():
+        out[f"param/{name}"] = param.detach()
+        for state_name, value in optimizer.state[param].items():
+            out[f"optim/{name}/{state_name}"] = value
+    return out
+
+
+def _pieces(side: Side, key: str, rank: int) -> list[tuple[Any, tuple[slice, ...], tuple[int, ...], Any]]:
+    """``(local tensor, local slices, global shape, global bounds)`` of every piece ``rank`` holds of ``key``."""
+    tensor = side.tensors[key]
+    spec = spec_of(tensor)
+    holding = spec.on(side.layout).holding_of_rank(rank)
+    local = local_of(tensor)
+    return [
+        (local, p.local_slices(p.global_box), spec.global_shape, p.global_box.bounds) for p in holding.pieces
+    ]
+
+
+def fill_pattern(side: Side, rank: int) -> None:
+    for key in side.tensors:
+        for local, slices, shape, bounds in _pieces(side, key, rank):
+            local[slices] = pattern(key, shape, bounds).to(local.dtype)
+
+
+def check_pattern(side: Side, rank: int) -> str | None:
+    """The first key whose local data differs from the source pattern, or None when every element is exact."""
+    for key in side.tensors:
+        for local, slices, shape, bounds in _pieces(side, key, rank):
+            if not torch.equal(local[slices], pattern(key, shape, bounds).to(local.dtype)):
+                return key
+    return None
+
+
+def check_full(side: Side) -> str | None:
+    """Every tensor made full by DTensor's own rules equals the pattern over its whole shape (a collective)."""
+    for key, tensor in side.tensors.items():
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        shape = tuple(full.shape)
+        if not torch.equal(full, pattern(key, shape, tuple((0, n) for n in shape)).to(full.dtype)):
+            return key
+    return None
+
+
+def reset_nan(side: Side) -> None:
+    for tensor in side.tensors.values():
+        local_of(tensor).fill_(float("nan"))
+
+
+# ------------------------------------------------------------------------------------------ meshes, models
+def _layout_mesh(degrees: dict[str, int], world: int, cache: dict[Any, Any]) -> LayoutMesh | None:
+    """The layout's mesh over processes ``0..world-1``, None off it (a collective: every process calls it)."""
+    key = (tuple(sorted(degrees.items())), world)
+    if key not in cache:
+        layout = HybridLayout(**degrees).resolve(world)
+        mesh = build_mesh(layout, "cpu", ranks=None if world == dist.get_world_size() else list(range(world)))
+        cache[key] = mesh if mesh.root.get_coordinate() is not None else None
+    return cache[key]
+
+
+def build_side(model_name: str, layout_mesh: LayoutMesh) -> Side:
+    """Meta model -> parallelize -> allocate, plus an AdamW with allocated state (data filled separately)."""
+    with torch.device("meta"):
+        model = Llama(get_model_config(model_name))
+    parallelize_model(model, layout_mesh)
+    materialize_empty(model, "cpu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    template = {}
+    for name, param in model.named_parameters():
+        template[f"optim/{name}/exp_avg"] = template[f"optim/{name}/exp_avg_sq"] = spec_of(param)
+        template[f"optim/{name}/step"] = ShardingSpec((), torch.float32, (), ())
+    allocate_optimizer_state(model, optimizer, template)
+    return Side(layout_mesh.layout, layout_mesh, model, optimizer, _state_tensors(model, optimizer))
+
+
+# ------------------------------------------------------------------------------------------------ memory
+def _status_kib(field_name: str) -> int:
+    text = Path("/proc/self/status").read_text()
+    return int(re.search(rf"{field_name}:\s+(\d+)", text).group(1))
+
+
+def _trim() -> None:
+    """Return freed heap memory to the OS, so RSS is live data (glibc keeps freed chunks below 32 MiB)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _reset_peak_rss() -> int:
+    """Reset the process's peak RSS to its current RSS (Linux ``clear_refs``); return the current RSS in bytes."""
+    _trim()
+    with contextlib.suppress(OSError):  # without it the peak covers the process's whole life so far
+        Path("/proc/self/clear_refs").write_text("5")
+    return _status_kib("VmRSS") * 1024
+
+
+def _release(side: Side) -> None:
+    """Free a side's storage now (its tensors must not be read again)."""
+    for tensor in side.tensors.values():
+        local_of(tensor).untyped_storage().resize_(0)
+
+
+# ------------------------------------------------------------------------------------------------ methods
+@dataclass(slots=True)
+class Ctx:
+    """Everything one transition's methods share on this process (``old`` / ``new`` None off that world)."""
+
+    rank: int
+    transition: Transition
+    old_layout: HybridLayout
+    new_layout: HybridLayout
+    old: Side | None
+    new: Side | None
+    old_group: Any
+    new_group: Any
+    bucket_bytes: int
+    repeats: int
+
+
+def _direct(ctx: Ctx) -> dict[str, Any]:
+    t = ctx.transition
+    identity = IdentityMap(
+        tuple(
+            ProcessInfo(pid, 0, pid if pid < t.old_world else None, pid if pid < t.new_world else None)
+            for pid in range(max(t.old_world, t.new_world))
+        ),
+        t.old_world,
+        t.new_world,
+    )
+    report = migrate(
+        old_state=training_state(ctx.old.model, ctx.old.optimizer) if ctx.old else None,
+        new_state=training_state(ctx.new.model, ctx.new.optimizer) if ctx.new else None,
+        old_layout=ctx.old_layout,
+        new_layout=ctx.new_layout,
+        identity=identity,
+        pid=ctx.rank,
+        transfer=TransferOptions(bucket_bytes=ctx.bucket_bytes),
+    )
+    plan, stats = report.plan, report.stats
+    return {
+        "phases": {**report.seconds, "copy": stats.seconds_copy, "p2p": stats.seconds_transfer},
+        "bytes_received": stats.bytes_received,
+        "bytes_copied": stats.bytes_copied,
+        "peak_buffer_bytes": stats.peak_buffer_bytes,
+        "max_row_bytes": max_single_row_bytes(plan),
+        "rounds": stats.rounds,
+        "sends": {p: sum(x.nbytes for x in plan.sends_to(p)) for p in plan.peers},
+        "recvs": {p: sum(x.nbytes for x in plan.recvs_from(p)) for p in plan.peers},
+    }
+
+
+def _dcp(ctx: Ctx, directory: str) -> dict[str, Any]:
+    phases: dict[str, float] = {}
+    if ctx.old is not None:
+        start = time.perf_counter()
+        writer = dcp.FileSystemWriter(directory, sync_files=True)
+        dcp.save(ctx.old.tensors, storage_writer=writer, process_group=ctx.old_group)
+        phases["save"] = time.perf_counter() - start
+    dist.barrier()  # the checkpoint is complete before anyone loads (a restart would wait for it too)
+    read = 0
+    if ctx.new is not None:
+        start = time.perf_counter()
+        with torch.no_grad():
+            dcp.load(
+                ctx.new.tensors, storage_reader=dcp.FileSystemReader(directory), process_group=ctx.new_group
+            )
+        phases["load"] = time.perf_counter() - start
+        read = sum(_local_nbytes(t) for t in ctx.new.tensors.values())
+    dist.barrier()
+    written = sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file()) if ctx.rank == 0 else 0
+    return {"phases": phases, "bytes_written": written, "bytes_read": read}
+
+
+def _gather_bcast(ctx: Ctx, catalog: list[tuple[str, tuple[int, ...], torch.dtype]]) -> dict[str, Any]:
+    kept: dict[str, torch.Tensor] = {}
+    gathered = delivered = 0
+    phases = {"gather": 0.0, "broadcast": 0.0, "reshard": 0.0}
+    if ctx.old is not None:
+        start = time.perf_counter()
+        for key, _, _ in catalog:
+            tensor = ctx.old.tensors[key]
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.clone()
+            if ctx.rank == 0:
+                kept[key] = full
+            else:
+                gathered += _local_nbytes(tensor)
+            del full
+        _release(
+            ctx.old
+        )  # rank 0 holds everything now; this method runs last, so nothing reads the old state
+        phases["gather"] = time.perf_counter() - start
+    dist.barrier()
+    for key, shape, dtype in catalog if ctx.new is not None else ():  # new rank 0 is process 0, the source
+        start = time.perf_counter()
+        buffer = kept.pop(key) if ctx.rank == 0 else torch.empty(shape, dtype=dtype)
+        dist.broadcast(buffer, src=0, group=ctx.new_group)
+        delivered += 0 if ctx.rank == 0 else buffer.numel() * buffer.element_size()
+        middle = time.perf_counter()
+        target = ctx.new.tensors[key]
+        if isinstance(target, DTensor):
+            piece = distribute_tensor(buffer, target.device_mesh, target.placements, src_data_rank=None)
+            local_of(target).copy_(piece.to_local())
+        else:
+            target.copy_(buffer)
+        del buffer
+        phases["broadcast"] += middle - start
+        phases["reshard"] += time.perf_counter() - middle
+    return {"phases": phases, "bytes_gathered": gathered, "bytes_delivered": delivered}
+
+
+def _local_nbytes(tensor: torch.Tensor) -> int:
+    local = local_of(tensor)
+    return local.numel() * local.element_size()
+
+
+def _link_limit(sends: dict[int, int], recvs: dict[int, int], repeats: int) -> list[float]:
+    """Seconds of a raw exchange of exactly these per-peer byte counts (barrier to barrier), after a warm-up."""
+    out_buffers = {p: torch.full((n,), 7, dtype=torch.uint8) for p, n in sends.items() if n}
+    # Zero-filled, so the pages exist before the clock starts.
+    in_buffers = {p: torch.zeros(n, dtype=torch.uint8) for p, n in recvs.items() if n}
+    samples = []
+    for _ in range(repeats + 1):
+        ops = [dist.P2POp(dist.isend, b, p) for p, b in sorted(out_buffers.items())]
+        ops += [dist.P2POp(dist.irecv, b, p) for p, b in sorted(in_buffers.items())]
+        dist.barrier()
+        start = time.perf_counter()
+        for work in dist.batch_isend_irecv(ops) if ops else ():
+            work.wait()
+        dist.barrier()
+        samples.append(time.perf_counter() - start)
+    return samples[1:]
+
+
+def _measure(fn: Any, *args: Any) -> dict[str, Any]:
+    """Run ``fn`` barrier to barrier on every process; return this process's seconds, RSS growth and details."""
+    rss = _reset_peak_rss()
+    dist.barrier()
+    start = time.perf_counter()
+    info = fn(*args)
+    dist.barrier()
+    info["seconds"] = time.perf_counter() - start
+    info["rss_extra"] = _status_kib("VmHWM") * 1024 - rss
+    return info
+
+
+def _merge(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    phases: dict[str, float] = {}
+    for info in per_rank:
+        for name, value in info["phases"].items():
+            phases[name] = max(phases.get(name, 0.0), value)
+    return {
+        "seconds": max(i["seconds"] for i in per_rank),
+        "phases": phases,
+        "peak_rss_extra_bytes": max(i["rss_extra"] for i in per_rank),
+    }
+
+
+def _run_method(ctx: Ctx, method: str, catalog: list, workdir: str) -> list[list[dict[str, Any]]]:
+    """Every run of ``method`` (direct: a warm-up, then ``repeats``), each as per-process details."""
+    runs = []
+    for _ in range(1 + (ctx.repeats if method == "direct" else 0)):
+        if ctx.new is not None:
+            reset_nan(ctx.new)  # anything a method fails to write fails the check
+        if method == "direct":
+            info = _measure(_direct, ctx)
+        elif method == "gather_bcast":
+            info = _measure(_gather_bcast, ctx, catalog)
+        else:
+            if ctx.rank == 0:
+                shutil.rmtree(workdir, ignore_errors=True)
+            info = _measure(_dcp, ctx, workdir)
+            if ctx.rank == 0:
+                shutil.rmtree(workdir, ignore_errors=True)
+        info["bad"] = check_pattern(ctx.new, ctx.rank) if ctx.new is not None else None
+        runs.append(_all_gather(info))
+    return runs
+
+
+# --------------------------------------------------------------------------------------------- the worker
+def _catalog(model_name: str) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """Every state key with its global shape and dtype, sorted (from a meta model: no memory)."""
+    with torch.device("meta"):
+        model = Llama(get_model_config(model_name))
+    out = []
+    for name, param in model.named_parameters():
+        shape = tuple(param.shape)
+        out += [(f"param/{name}", shape, param.dtype), (f"optim/{name}/exp_avg", shape, param.dtype)]
+        out += [(f"optim/{name}/exp_avg_sq", shape, param.dtype), (f"optim/{name}/step", (), torch.float32)]
+    return sorted(out)
+
+
+def _all_gather(value: Any) -> list[Any]:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _log(rank: int, text: str) -> None:
+    if rank == 0:
+        print(text, flush=True)
+
+
+def _record(
+    method: str, runs: list[list[dict[str, Any]]], bucket_bytes: int, state_bytes: int
+) -> dict[str, Any]:
+    """One JSON record from every run of a method (direct: the first run is the warm-up)."""
+    merged = [_merge(r) for r in runs]
+    timed = range(1, len(runs)) if method == "direct" else range(len(runs))
+    best = min(timed, key=lambda i: merged[i]["seconds"])
+    per_rank = runs[best]
+    bad = sorted({i["bad"] for r in runs for i in r if i["bad"]})
+    record = {"method": method, **merged[best], "samples": [merged[i]["seconds"] for i in timed]}
+    record.update(bit_exact=not bad, mismatch=bad[:3])
+    if method == "direct":
+        record.update(
+            cold_seconds=merged[0]["seconds"],
+            bytes_moved=sum(i["bytes_received"] for i in per_rank),
+            bytes_copied=sum(i["bytes_copied"] for i in per_rank),
+            peak_extra_bytes=max(i["peak_buffer_bytes"] for i in per_rank),
+            peak_bound_bytes=bucket_bytes + max(i["max_row_bytes"] for i in per_rank),
+            rounds=max(i["rounds"] for i in per_rank),
+        )
+    elif method == "gather_bcast":
+        record["bytes_moved"] = sum(i["bytes_gathered"] + i["bytes_delivered"] for i in per_rank)
+        # Rank 0 holds the whole state at once, whatever the RSS figure says.
+        record["peak_extra_bytes"] = max(record["peak_rss_extra_bytes"], state_bytes)
+    else:
+        written = sum(i["bytes_written"] for i in per_rank)
+        record.update(bytes_moved=written + sum(i["bytes_read"] for i in per_rank), bytes_written=written)
+        record["peak_extra_bytes"] = record["peak_rss_extra_bytes"] + (
+            written if method == "dcp_tmpfs" else 0
+        )
+    return record
+
+
+def _bench_transition(
+    rank: int, model_name: str, t: Transition, args: dict[str, Any], cache: dict
+) -> list[dict]:
+    catalog = _catalog(model_name)
+    start = time.perf_counter()
+    old_mesh, new_mesh = _layout_mesh(t.old, t.old_world, cache), _layout_mesh(t.new, t.new_world, cache)
+    old = build_side(model_name, old_mesh) if old_mesh is not None else None
+    new = build_side(model_name, new_mesh) if new_mesh is not None else None
+    if old is not None:
+        fill_pattern(old, rank)
+    if args["full_check"] and old is not None:
+        bad = check_full(old)
+        assert bad is None, (
+            f"source {bad} differs from the pattern under DTensor's own rules: geometry is wrong"
+        )
+    dist.barrier()
+    common = {
+        "model": model_name,
+        "transition": t.name,
+        "old_layout": t.old,
+        "new_layout": t.new,
+        "old_world": t.old_world,
+        "new_world": t.new_world,
+        "state_bytes": sum(math.prod(s) * torch.empty((), dtype=d).element_size() for _, s, d in catalog),
+        "bucket_bytes": args["bucket_bytes"],
+        "build_seconds": time.perf_counter() - start,
+    }
+    _log(
+        rank,
+        f"[{model_name} {t.name}] built in {common['build_seconds']:.1f}s, "
+        f"state {common['state_bytes'] / 2**20:.0f} MiB",
+    )
+    ctx = Ctx(
+        rank,
+        t,
+        HybridLayout(**t.old).resolve(t.old_world),
+        HybridLayout(**t.new).resolve(t.new_world),
+        old,
+        new,
+        _subgroup(t.old_world, cache),
+        _subgroup(t.new_world, cache),
+        args["bucket_bytes"],
+        args["repeats"],
+    )
+    records, traffic = [], None
+    for method in args["methods"]:
+        workdir = os.path.join(
+            args["disk_dir" if method == "dcp_disk" else "tmpfs_dir"], f"bench-mig-{os.getppid()}"
+        )
+        runs = _run_method(ctx, method, catalog, workdir)
+        record = {**common, **_record(method, runs, args["bucket_bytes"], common["state_bytes"])}
+        if method.startswith("dcp"):
+            record["directory"] = workdir
+        if method == "direct":
+            traffic = (runs[-1][rank]["sends"], runs[-1][rank]["recvs"])
+            if args["full_check"] and new is not None:
+                bad = check_full(new)  # the new state still holds direct's last result
+                record["bit_exact"] = record["bit_exact"] and bad is None
+        records.append(record)
+        phases = ", ".join(f"{k}={v:.3f}" for k, v in record["phases"].items())
+        _log(rank, f"  {method:12s} {record['seconds']:8.3f}s exact={record['bit_exact']} {phases}")
+    del ctx, old, new
+    _trim()
+    link = None
+    if traffic is not None:  # the models are freed first: the raw buffers are as large as the traffic
+        link = max(_all_gather(min(_link_limit(*traffic, args["repeats"]))))
+        _log(rank, f"  {'link limit':12s} {link:8.3f}s")
+    for record in records:
+        record["link_limit_seconds"] = link
+    return records
+
+
+def _subgroup(size: int, cache: dict) -> Any:
+    """A process group over processes ``0..size-1`` (None: the whole world); created once, on every process."""
+    if size == dist.get_world_size():
+        return None
+    if ("group", size) not in cache:
+        cache["group", size] = dist.new_group(list(range(size)))
+    return cache["group", size]
+
+
+def _worker(rank: int, world: int, args: dict[str, Any]) -> list[dict[str, Any]]:
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    cache: dict[Any, Any] = {}
+    records: list[dict[str, Any]] = []
+    for model_name in args["models"]:
+        for t in args["transitions"]:
+            records += _bench_transition(rank, model_name, t, args, cache)
+            if rank == 0:  # after every transition, so a stopped run keeps what it measured
+                Path(args["out"]).write_text(json.dumps(records, indent=1))
+    return records if rank == 0 else []
+
+
+# ------------------------------------------------------------------------------------------------- main
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="llama_25m,llama_125m,llama_350m")
+    parser.add_argument("--transitions", default=DEFAULT_TRANSITIONS, help="OLD:NEW,...; r/s/t/p + degree")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument(
+        "--world", type=int, default=4, help="processes (the largest world of any transition)"
+    )
+    parser.add_argument("--bucket-mb", type=float, default=256.0, help="direct migration's buffer budget")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs of direct and of the link limit")
+    parser.add_argument("--disk-dir", default="/tmp", help="parent of the DCP directory on disk")
+    parser.add_argument("--tmpfs-dir", default="/dev/shm", help="parent of the DCP directory on tmpfs")
+    parser.add_argument(
+        "--full-check", action="store_true", help="also compare full_tensor() with the source"
+    )
+    parser.add_argument("--timeout-s", type=float, default=3600.0)
+    parser.add_argument("--out", default="bench_results/migration.json")
+    parser.add_argument("--plot-only", action="store_true", help="redraw the plot and summary from --out")
+    args = parser.parse_args()
+    out = Path(args.out)
+    if not args.plot_only:
+        methods = [m for m in args.methods.split(",") if m]
+        unknown = sorted(set(methods) - set(METHODS))
+        if unknown:
+            parser.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        config = {
+            "models": [m for m in args.models.split(",") if m],
+            "transitions": parse_transitions(args.transitions, args.world),
+            "methods": sorted(methods, key=METHODS.index),  # gather_bcast last: it frees the old state
+            "bucket_bytes": int(args.bucket_mb * 2**20),
+            "repeats": max(1, args.repeats),
+            "disk_dir": args.disk_dir,
+            "tmpfs_dir": args.tmpfs_dir,
+            "full_check": args.full_check,
+            "out": str(out),
+        }
+        try:
+            run_distributed(_worker, args.world, config, timeout_s=args.timeout_s, pg_timeout_s=900.0)
+        except WorkerFailed as exc:  # keep (and show) what was measured before the failure
+            print(f"benchmark stopped early: {exc}", flush=True)
+    records = json.loads(out.read_text()) if out.exists() else []
+    if not records:
+        raise SystemExit(f"no results in {out}")
+    plot(records, out.with_suffix(".png"))
+    print(summary(records))
+    print(f"results: {out}  plot: {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
