@@ -19,7 +19,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +34,8 @@ from lightning_emig.testing.commands import (
     run_command,
 )
 from lightning_emig.testing.distributed import free_port
+from lightning_emig.testing.nodes import log_tail as _log
+from lightning_emig.testing.nodes import wait_for as _wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_STEPS = 300
@@ -87,18 +88,6 @@ def _start_node(tmp_path: Path, name: str, local_addr: str, port: int, run_dir: 
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
     return proc
-
-
-def _wait_for(predicate, timeout_s: float, what: str) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.1)
-
-
-def _log(tmp_path: Path, name: str) -> str:
-    return (tmp_path / f"{name}.log").read_text()[-6000:]
 
 
 def _median_ms(seconds: list[float]) -> float:

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,7 @@ from lightning_emig.migration.transfer import DEFAULT_BUCKET_BYTES
 from lightning_emig.strategy.boundary import StepBoundaryHook, _at_step_boundary, restart_training_iterator
 from lightning_emig.strategy.reconfigure import ReconfigureEvent, reconfigure_live
 from lightning_emig.strategy.rng import gather_rng_states, restore_rng_for_rank
+from lightning_emig.training.resume import restart_reason
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -108,6 +110,8 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         self.generation = handoff.generation if handoff is not None else _start_generation()
         """The launcher generation this fit runs in (0 outside ``lightning-emig-run``)."""
         self._join: tuple[JoinResult, float] | None = None
+        self.resumed_from: ResumedCheckpoint | None = None
+        """Set when this fit resumed from a checkpoint file, until its first step's time is recorded."""
 
     # ------------------------------------------------------------------ layout
     @property
@@ -148,6 +152,11 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
 
             layout = layout_for_new_world(self._requested_layout, self.world_size)
             self.migrating = True  # configure_model must not initialise: the join overwrites every tensor
+        elif restart_reason() is not None:
+            from lightning_emig.membership.handoff import layout_for_new_world
+
+            # Restarted into a world of another size: the requested layout may not divide it.
+            layout = layout_for_new_world(self._requested_layout, self.world_size)
         else:
             layout = self._requested_layout.resolve(self.world_size)
         plan = BatchPlan(
@@ -306,16 +315,26 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
 
         if checkpoint_path == LIVE_CHECKPOINT:
             return self._load_live()
+        load_started = time.time()
         # RNG states are pickled Python objects (per rank), so the metadata cannot be weights_only.
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=False)
         saved = checkpoint.get(CHECKPOINT_KEY, {})
-        if saved and self.global_rank == 0:
-            old = HybridLayout(**saved["layout"])
-            if old != self.layout:
-                log.warning(
-                    "resuming a checkpoint saved under %s on %d processes into %s on %d: resharded on load",
-                    old.describe(), saved["world_size"], self.layout.describe(), self.world_size,
-                )
+        old_layout = HybridLayout(**saved["layout"]) if saved else self.layout
+        old_world = int(saved.get("world_size", self.world_size))
+        reason = restart_reason()
+        step = int(checkpoint.get("global_step", 0))
+        self.resumed_from = ResumedCheckpoint(
+            path=str(checkpoint_path), step=step, old_layout=old_layout.as_dict(), old_world=old_world,
+            load_started=load_started, load_seconds=time.time() - load_started, restart_reason=reason,
+        )
+        if self.global_rank == 0:
+            log.warning(
+                "%sresumed %s at step %d: saved on %d process(es) as %s, now %d process(es) as %s%s (%.2fs)",
+                f"RESTART ({reason}): " if reason else "", checkpoint_path, step, old_world, old_layout.describe(),
+                self.world_size, self.layout.describe(),
+                ", resharded on load" if (old_layout, old_world) != (self.layout, self.world_size) else "",
+                self.resumed_from.load_seconds,
+            )
         restore_rng_for_rank(
             saved.get("rng_states"), self.global_rank, seed=self.seed, step=checkpoint.get("global_step", 0)
         )
@@ -355,7 +374,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         self._join = None
         seconds = {**result.seconds, "first_step": time.perf_counter() - loaded_at}
         self._record_event(trainer, ReconfigureEvent(
-            kind="join", step=result.step, old_layout=result.old_layout.as_dict(), new_layout=self.layout.as_dict(),
+            kind=result.kind, step=result.step, old_layout=result.old_layout.as_dict(), new_layout=self.layout.as_dict(),
             old_world=result.old_world, new_world=self.world_size, bytes_moved=result.bytes_moved,
             bytes_copied_locally=result.bytes_copied_locally, seconds=seconds, generation=self.generation,
             downtime_seconds=time.time() - result.last_step_wall,
@@ -365,6 +384,21 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
     def teardown(self) -> None:
         self._loaders.clear()
         super().teardown()
+
+
+@dataclass(frozen=True, slots=True)
+class ResumedCheckpoint:
+    """A fit's start from a checkpoint file (what the restart event reports)."""
+
+    path: str
+    step: int
+    old_layout: dict[str, int]
+    old_world: int
+    load_started: float
+    """``time.time()`` when loading began."""
+    load_seconds: float
+    restart_reason: str | None
+    """Why this start was a restart (see :func:`lightning_emig.training.resume.restart_reason`), else None."""
 
 
 def _start_generation() -> int:

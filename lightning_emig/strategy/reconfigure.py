@@ -54,10 +54,13 @@ class ReconfigureEvent:
     """The launcher generation the change led to (membership changes only)."""
     downtime_seconds: float | None = None
     """Last step finished on the old world to first step finished on the new (membership changes only)."""
+    steps_rolled_back: int | None = None
+    """Steps done on the old world after the checkpoint a restart resumed from (recomputed on the new one)."""
 
     def as_dict(self) -> dict[str, Any]:
-        extra = {k: v for k, v in (("generation", self.generation), ("downtime_seconds", self.downtime_seconds))
-                 if v is not None}
+        optional = (("generation", self.generation), ("downtime_seconds", self.downtime_seconds),
+                    ("steps_rolled_back", self.steps_rolled_back))
+        extra = {k: v for k, v in optional if v is not None}
         return {
             "kind": self.kind, "step": self.step, "old_layout": self.old_layout, "new_layout": self.new_layout,
             "old_world": self.old_world, "new_world": self.new_world, "bytes_moved": self.bytes_moved,

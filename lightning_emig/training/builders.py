@@ -27,6 +27,8 @@ from lightning_emig.strategy.schedule import LayoutSchedule
 from lightning_emig.training.module import LlamaLightningModule
 from lightning_emig.training.optim import OptimConfig
 from lightning_emig.training.progress import StepProgressBar
+from lightning_emig.training.resume import resolve_checkpoint
+from lightning_emig.training.step_times import StepTimeRecorder
 
 
 @dataclass(slots=True)
@@ -129,7 +131,7 @@ def build_run(
         precision=cfg.trainer.precision,  # type: ignore[arg-type]
         max_steps=cfg.trainer.max_steps,
         logger=build_loggers(cfg, run_dir),
-        callbacks=_callbacks(cfg, checkpoint),
+        callbacks=_callbacks(cfg, checkpoint, run_dir),
         enable_progress_bar=cfg.trainer.progress_bar,
         log_every_n_steps=1,
         limit_val_batches=0,
@@ -139,8 +141,8 @@ def build_run(
     return RunParts(trainer, module, build_loader(cfg), strategy, run_dir)
 
 
-def _callbacks(cfg: TrainConfig, checkpoint: HandoffAwareCheckpoint) -> list[Any]:
-    callbacks: list[Any] = [checkpoint, RendezvousCallback()]
+def _callbacks(cfg: TrainConfig, checkpoint: HandoffAwareCheckpoint, run_dir: Path) -> list[Any]:
+    callbacks: list[Any] = [checkpoint, RendezvousCallback(), StepTimeRecorder(run_dir)]
     if cfg.trainer.progress_bar:
         callbacks.append(StepProgressBar())
     schedule = build_schedule(cfg)
@@ -150,16 +152,12 @@ def _callbacks(cfg: TrainConfig, checkpoint: HandoffAwareCheckpoint) -> list[Any
 
 
 def resolve_resume(cfg: TrainConfig, run_dir: Path) -> str | None:
-    """``run.resume``: None, ``last`` (newest checkpoint of this run directory, if any) or a path."""
-    resume = cfg.run.resume
-    if resume is None:
-        return None
-    if resume == "last":
-        last = run_dir / "checkpoints" / "last.ckpt"
-        return str(last) if last.exists() else None
-    if not Path(resume).exists():
-        raise FileNotFoundError(f"run.resume={resume!r} does not exist")
-    return resume
+    """``run.resume``: None, ``last`` (newest complete checkpoint of this run directory, if any) or a path.
+
+    After torchrun restarted the workers (the restart path) None means ``last``: see
+    :func:`lightning_emig.training.resume.resolve_checkpoint`.
+    """
+    return resolve_checkpoint(cfg.run.resume, run_dir)
 
 
 def _check_sequence_fits_model(cfg: TrainConfig) -> None:

@@ -1,0 +1,49 @@
+"""Simulated nodes on one host: ``lightning-emig-run`` agents on distinct loopback addresses (tests, benchmarks).
+
+Each agent runs in a session of its own with its output in ``<log_dir>/<name>.log``; stop it with
+:func:`lightning_emig.testing.commands.kill_tree` (its workers run in sessions of their own too).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def start_node(
+    log_dir: Path, name: str, *, local_addr: str, port: int, run_dir: Path, train_args: Sequence[str],
+    nnodes: str = "1:2", rdzv_id: str = "live-train", env: Mapping[str, str] | None = None,
+) -> subprocess.Popen:
+    """One agent with one worker running ``python -m lightning_emig.train *train_args`` into ``run_dir``."""
+    cmd = [
+        sys.executable, "-m", "lightning_emig.run", f"--nnodes={nnodes}", "--nproc-per-node=1",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv_id}",
+        "--rdzv-conf=last_call_timeout=2", f"--local-addr={local_addr}", "--max-restarts=0",
+        "--monitor-interval=0.2", "-m", "lightning_emig.train", *train_args, f"hydra.run.dir={run_dir}",
+    ]
+    full_env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 - the child holds it; closed here right after
+    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    log.close()
+    return proc
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll ``predicate`` every 0.1 s; TimeoutError(what) after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.1)
+
+
+def log_tail(log_dir: Path, name: str, chars: int = 6000) -> str:
+    path = log_dir / f"{name}.log"
+    return path.read_text()[-chars:] if path.exists() else ""

@@ -1,0 +1,103 @@
+"""Wall-clock time of every optimizer step, and the ``restart`` event of the restart path.
+
+:class:`StepTimeRecorder` (global rank 0) appends one JSON line per optimizer step to ``<run_dir>/step_times.jsonl``:
+``{"step": steps completed, "time": time.time(), "world": world size, "pid": process id}``. The file outlives
+processes, so it spans every generation and every restart of a job: downtime of any membership change is
+"last line of the old world" to "first line of the new one", whichever path the change took.
+
+After a restart-path resume (see :mod:`lightning_emig.training.resume`) it also records, at the first step on
+the new world, one ``restart`` event in ``events.jsonl``: the checkpoint step, the steps rolled back (done on the
+old world after that checkpoint, recomputed now), old and new world and layout, the downtime and its phases
+(``stop_and_start``: last old step to this process's start; ``startup``: start to checkpoint load;
+``load``: reading and resharding the checkpoint; ``first_step``: load to the first step's end).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_emig.strategy.boundary import _at_step_boundary
+from lightning_emig.strategy.reconfigure import ReconfigureEvent
+from lightning_emig.training.resume import process_start_wall
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
+
+STEP_TIMES_FILE = "step_times.jsonl"
+
+
+def read_step_times(run_dir: Path) -> list[dict[str, Any]]:
+    """Every complete line of ``step_times.jsonl`` (a process killed mid-write leaves a partial last line)."""
+    path = run_dir / STEP_TIMES_FILE
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+class StepTimeRecorder(Callback):
+    """Rank 0 writes each optimizer step's end time; after a restart-path resume, the ``restart`` event."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self._previous: dict[str, Any] | None = None
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_rank == 0:
+            records = read_step_times(self.run_dir)
+            self._previous = records[-1] if records else None
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_rank != 0 or not _at_step_boundary(trainer):
+            return
+        now = time.time()
+        strategy: Any = trainer.strategy
+        record = {"step": trainer.global_step, "time": now, "world": strategy.world_size, "pid": os.getpid()}
+        with (self.run_dir / STEP_TIMES_FILE).open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        resumed = getattr(strategy, "resumed_from", None)
+        if resumed is not None:
+            strategy.resumed_from = None
+            if resumed.restart_reason is not None and self._previous is not None:
+                strategy._record_event(trainer, self._restart_event(strategy, resumed, now))  # noqa: SLF001
+
+    def _restart_event(self, strategy: Any, resumed: Any, now: float) -> ReconfigureEvent:
+        previous = self._previous
+        assert previous is not None
+        started = process_start_wall()
+        seconds = {
+            "stop_and_start": started - previous["time"],
+            "startup": resumed.load_started - started,
+            "load": resumed.load_seconds,
+            "first_step": now - (resumed.load_started + resumed.load_seconds),
+        }
+        rolled_back = int(previous["step"]) - resumed.step
+        log.warning(
+            "RESTART: first step on world %d done %.2fs after the last step on world %d; %d step(s) after the "
+            "step-%d checkpoint are being recomputed", strategy.world_size, now - previous["time"],
+            previous["world"], rolled_back, resumed.step,
+        )
+        return ReconfigureEvent(
+            kind="restart", step=resumed.step, old_layout=resumed.old_layout, new_layout=strategy.layout.as_dict(),
+            old_world=resumed.old_world, new_world=strategy.world_size, seconds=seconds,
+            generation=strategy.generation, downtime_seconds=now - previous["time"], steps_rolled_back=rolled_back,
+        )

@@ -1,0 +1,152 @@
+"""The restart path: a node joins a job whose launcher restarts workers (torchrun's behaviour), and it resumes.
+
+``LIGHTNING_EMIG_LIVE_MEMBERSHIP=0`` makes ``lightning-emig-run`` take torchrun's own path on a join: every worker
+is stopped and started again in the new rendezvous round. Node A starts alone and checkpoints every 5 steps;
+once its step-10 checkpoint exists node B starts. Specification:
+
+* both agents exit 0; A's worker was restarted (the steps before and after the join were written by different
+  processes) and the job reaches ``max_steps``;
+* ``events.jsonl`` holds exactly one ``restart`` event, world 1 -> 2, from a checkpoint at a multiple of 5, with
+  the steps done after that checkpoint (recomputed) reported as ``steps_rolled_back`` and a downtime;
+* the log says so: ``RESTART``, the checkpoint and its step, the old and new world;
+* the resumed run's losses (from the checkpoint step on) equal the uninterrupted single-process run's to a relative
+  1e-4 (same global batch and data order; two FSDP ranks sum gradients in another order).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from lightning_emig.testing.commands import (
+    descendants,
+    is_alive,
+    kill_tree,
+    python_module_command,
+    run_command,
+)
+from lightning_emig.testing.distributed import free_port
+from lightning_emig.testing.nodes import REPO, log_tail, start_node, wait_for
+from lightning_emig.training.resume import (
+    FoundCheckpoint,
+    newest_checkpoint,
+    resolve_checkpoint,
+    restart_reason,
+)
+
+MAX_STEPS = 120
+EVERY = 5
+TRAIN = ["data=synthetic", "model=tiny", f"trainer.max_steps={MAX_STEPS}", "trainer.global_batch_size=8",
+         "trainer.micro_batch_size=2", "trainer.progress_bar=false", "trainer.pg_timeout_s=60",
+         f"trainer.checkpoint_every_n_steps={EVERY}"]
+REL_TOL = 1e-4
+RESTART_PATH = {"LIGHTNING_EMIG_LIVE_MEMBERSHIP": "0"}
+
+
+def _reference_losses(tmp_path: Path) -> dict[str, float]:
+    run_dir = tmp_path / "reference"
+    cmd = python_module_command("lightning_emig.train", *TRAIN, f"hydra.run.dir={run_dir}")
+    result = run_command(cmd, timeout_s=120, cwd=REPO, env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-4000:]
+    return json.loads((run_dir / "summary.json").read_text())["step_losses"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_join_under_torchrun_restarts_workers_and_resumes_from_the_newest_checkpoint(tmp_path: Path) -> None:
+    port = free_port()
+    run_dir = tmp_path / "run"
+    agents: dict[str, subprocess.Popen] = {}
+    node = {"port": port, "run_dir": run_dir, "train_args": TRAIN, "rdzv_id": "restart-train", "env": RESTART_PATH}
+    try:
+        agents["a"] = start_node(tmp_path, "a", local_addr="127.0.0.2", **node)
+        wait_for(lambda: (run_dir / "checkpoints" / "step000010.ckpt").exists() or agents["a"].poll() is not None,
+                 90, f"node A did not reach step 10:\n{log_tail(tmp_path, 'a')}")
+        assert agents["a"].poll() is None, log_tail(tmp_path, "a")
+        a_workers = [p for p in descendants(agents["a"].pid) if is_alive(p)]
+        agents["b"] = start_node(tmp_path, "b", local_addr="127.0.0.3", **node)
+        for name, proc in agents.items():
+            try:
+                proc.wait(timeout=150)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"agent {name} did not finish; its log:\n{log_tail(tmp_path, name)}")
+        for name, proc in agents.items():
+            assert proc.returncode == 0, f"agent {name} failed:\n{log_tail(tmp_path, name)}"
+    finally:
+        for proc in agents.values():
+            kill_tree(proc.pid)
+            proc.wait(timeout=10)
+
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [(e["kind"], e["old_world"], e["new_world"]) for e in events] == [("restart", 1, 2)], events
+    (restart,) = events
+    resumed = restart["step"]
+    assert resumed >= 10 and resumed % EVERY == 0 and resumed < MAX_STEPS
+    assert 0 <= restart["steps_rolled_back"] < EVERY + 5, restart  # a save may be cut short by the stop
+    assert restart["downtime_seconds"] > 0
+
+    times = [json.loads(line) for line in (run_dir / "step_times.jsonl").read_text().splitlines() if line]
+    old = [t for t in times if t["world"] == 1]
+    new = [t for t in times if t["world"] == 2]
+    assert {t["pid"] for t in old} <= set(a_workers), "the steps before the join were not A's first worker's"
+    assert not {t["pid"] for t in new} & {t["pid"] for t in old}, "A's worker was not restarted"
+    assert old[-1]["step"] - resumed == restart["steps_rolled_back"]
+    assert [t["step"] for t in new] == list(range(resumed + 1, MAX_STEPS + 1))
+
+    logs = log_tail(tmp_path, "a", 10**7) + log_tail(tmp_path, "b", 10**7)
+    assert "RESTART" in logs and f"step{resumed:06d}.ckpt at step {resumed}: saved on 1 process(es)" in logs, logs[-4000:]
+    assert "now 2 process(es)" in logs
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    losses = summary["step_losses"]
+    assert sorted(int(k) for k in losses) == list(range(resumed, MAX_STEPS))
+    reference = _reference_losses(tmp_path)
+    worst = max(abs(losses[k] - reference[k]) / abs(reference[k]) for k in losses)
+    assert worst < REL_TOL, f"resumed loss curve departs from the reference by {worst:.2e} (relative)"
+    print(
+        f"\nrestart-path join: resumed at step {resumed}, {restart['steps_rolled_back']} step(s) recomputed, "
+        f"downtime {restart['downtime_seconds']:.2f}s; phases "
+        + ", ".join(f"{k} {v:.2f}s" for k, v in restart["seconds"].items())
+        + f"; worst relative loss gap {worst:.1e}"
+    )
+
+
+# --- pure ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("env", "is_restart"),
+    [
+        ({}, False),
+        ({"TORCHELASTIC_RESTART_COUNT": "0"}, False),
+        ({"TORCHELASTIC_RESTART_COUNT": "2"}, True),
+        ({"LIGHTNING_EMIG_GENERATION": "1"}, True),  # lightning-emig-run, torchrun's restart path
+        ({"LIGHTNING_EMIG_GENERATION": "1", "LIGHTNING_EMIG_JOIN_LIVE": "1"}, False),  # a live join
+        ({"LIGHTNING_EMIG_GENERATION": "0"}, False),
+    ],
+)
+def test_a_restart_is_told_from_the_environment(env: dict[str, str], is_restart: bool) -> None:
+    assert (restart_reason(env) is not None) == is_restart
+
+
+def _sharded(path: Path, *, complete: bool) -> None:
+    path.mkdir(parents=True)
+    (path / "meta.pt").write_bytes(b"")
+    if complete:
+        (path / ".metadata").write_bytes(b"")
+
+
+def test_the_newest_complete_checkpoint_is_resumed_and_an_interrupted_save_is_skipped(tmp_path: Path) -> None:
+    ckpts = tmp_path / "checkpoints"
+    _sharded(ckpts / "step000005.ckpt", complete=True)
+    _sharded(ckpts / "step000010.ckpt", complete=True)
+    _sharded(ckpts / "step000015.ckpt", complete=False)  # the worker was stopped while saving
+    assert newest_checkpoint(ckpts) == FoundCheckpoint(ckpts / "step000010.ckpt", 10)
+    restarted = {"LIGHTNING_EMIG_GENERATION": "1", "RANK": "1"}
+    assert resolve_checkpoint(None, tmp_path, restarted) == str(ckpts / "step000010.ckpt")
+    assert resolve_checkpoint(None, tmp_path, {}) is None  # a first start ignores old checkpoints
+    assert resolve_checkpoint(None, tmp_path / "empty", restarted) is None

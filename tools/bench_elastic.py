@@ -1,0 +1,200 @@
+"""Downtime of a node join: the live path (``lightning-emig-run``) vs torchrun's restart path, same model, one run.
+
+For every model and round, the same event is run twice, one path after the other, on simulated nodes of this
+host (``lightning_emig.testing.nodes``): node A (127.0.0.2) trains alone; once it has finished
+``--join-after`` optimizer steps node B (127.0.0.3) starts; when the new world of 2 processes has finished
+``--steps-after`` steps both agents are stopped (the job is not run to the end: only the event is measured).
+
+* ``live``: the default ``lightning-emig-run``: A's worker keeps running while B's starts up, then hands its
+  state over point to point (``events.jsonl``: one ``join`` event with ``downtime_seconds`` and its phases);
+* ``restart``: ``LIGHTNING_EMIG_LIVE_MEMBERSHIP=0``, torchrun's own behaviour: A's worker is stopped, both
+  workers start, load the newest checkpoint resharded for the new world and recompute the steps after it
+  (``events.jsonl``: one ``restart`` event with ``downtime_seconds``, ``steps_rolled_back`` and its phases).
+
+Both paths checkpoint every ``--checkpoint-every`` steps (the restart path needs it; the live path pays the same
+steady-state cost). Each record:
+
+* ``downtime_seconds``: last optimizer step finished on the old world to first step finished on the new one
+  (from the event; ``downtime_from_step_times`` is the same span read from ``step_times.jsonl``, a cross-check);
+* ``phases``: the event's per-phase seconds;
+* ``recovery_seconds``: last step on the old world to the new world's first step *beyond* it (the restart path
+  recomputes ``steps_rolled_back`` steps first; for the live path it equals the downtime);
+* ``step_seconds_old`` / ``step_seconds_new``: median step time before and after (steady state);
+* ``overhead_seconds``: downtime minus one steady step on the new world (the downtime always holds one step's
+  compute; on 2 shared CPU cores a ``llama_25m`` step takes seconds, so this is the part the path adds).
+
+    .venv/bin/python tools/bench_elastic.py --models tiny llama_25m --out bench_results/elastic.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from lightning_emig.testing.commands import kill_tree  # noqa: E402
+from lightning_emig.testing.distributed import free_port  # noqa: E402
+from lightning_emig.testing.nodes import log_tail, start_node, wait_for  # noqa: E402
+from lightning_emig.training.step_times import read_step_times  # noqa: E402
+
+PATHS = {"live": {}, "restart": {"LIGHTNING_EMIG_LIVE_MEMBERSHIP": "0"}}
+EVENT_KIND = {"live": "join", "restart": "restart"}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["tiny", "llama_25m"])
+    p.add_argument("--rounds", type=int, default=1, help="live then restart, this many times per model")
+    p.add_argument("--join-after", type=int, default=5, help="B starts once A finished this many steps")
+    p.add_argument("--steps-after", type=int, default=3, help="steps on the new world before stopping")
+    p.add_argument("--checkpoint-every", type=int, default=5)
+    p.add_argument("--global-batch-size", type=int, default=8)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--timeout", type=float, default=600, help="seconds per event before giving up")
+    p.add_argument("--work-dir", type=Path, default=None, help="run directories (default: a temporary one)")
+    p.add_argument("--out", type=Path, default=REPO / "bench_results" / "elastic.json")
+    return p.parse_args()
+
+
+def train_args(args: argparse.Namespace, model: str) -> list[str]:
+    return [
+        "data=synthetic", f"model={model}", f"data.seq_len={args.seq_len}", "trainer.max_steps=1000000",
+        f"trainer.global_batch_size={args.global_batch_size}", f"trainer.micro_batch_size={args.micro_batch_size}",
+        "trainer.progress_bar=false", "trainer.pg_timeout_s=120",
+        f"trainer.checkpoint_every_n_steps={args.checkpoint_every}",
+    ]
+
+
+def _events(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+
+
+def _last_step(run_dir: Path, world: int) -> int:
+    steps = [r["step"] for r in read_step_times(run_dir) if r["world"] == world]
+    return max(steps, default=0)
+
+
+def run_event(args: argparse.Namespace, model: str, path: str, run_dir: Path) -> dict[str, Any]:
+    """One join on the given path; returns its record."""
+    port = free_port()
+    node = {"port": port, "run_dir": run_dir, "train_args": train_args(args, model), "rdzv_id": run_dir.name,
+            "env": PATHS[path]}
+    agents: dict[str, subprocess.Popen] = {}
+    kind = EVENT_KIND[path]
+    try:
+        agents["a"] = start_node(run_dir.parent, f"{run_dir.name}-a", local_addr="127.0.0.2", **node)
+        wait_for(lambda: _last_step(run_dir, 1) >= args.join_after or agents["a"].poll() is not None,
+                 args.timeout, f"A did not reach step {args.join_after}")
+        if agents["a"].poll() is not None:
+            raise RuntimeError(f"node A exited:\n{log_tail(run_dir.parent, f'{run_dir.name}-a')}")
+        agents["b"] = start_node(run_dir.parent, f"{run_dir.name}-b", local_addr="127.0.0.3", **node)
+
+        def done() -> bool:
+            if any(p.poll() not in (None, 0) for p in agents.values()):
+                raise RuntimeError("an agent failed:\n" + "\n".join(
+                    log_tail(run_dir.parent, f"{run_dir.name}-{n}") for n in agents))
+            event = next((e for e in _events(run_dir) if e["kind"] == kind), None)
+            return event is not None and _last_step(run_dir, 2) >= event["step"] + args.steps_after + \
+                event.get("steps_rolled_back", 0)
+
+        wait_for(done, args.timeout, f"no {kind} event within {args.timeout:.0f}s")
+    finally:
+        for proc in agents.values():
+            kill_tree(proc.pid)
+            proc.wait(timeout=30)
+    return _record(model, path, run_dir)
+
+
+def _record(model: str, path: str, run_dir: Path) -> dict[str, Any]:
+    event = next(e for e in _events(run_dir) if e["kind"] == EVENT_KIND[path])
+    times = read_step_times(run_dir)
+    old = [t for t in times if t["world"] == 1]
+    new = [t for t in times if t["world"] == 2]
+    last_old = old[-1]
+    beyond = next(t for t in new if t["step"] > last_old["step"])
+    step_new = _median_step(new)
+    return {
+        "event": "join",
+        "path": path,
+        "model": model,
+        "old_world": event["old_world"],
+        "new_world": event["new_world"],
+        "step": event["step"],
+        "steps_rolled_back": event.get("steps_rolled_back", 0),
+        "downtime_seconds": event["downtime_seconds"],
+        "downtime_from_step_times": new[0]["time"] - last_old["time"],
+        "recovery_seconds": beyond["time"] - last_old["time"],
+        "phases": event["seconds"],
+        "bytes_moved": event["bytes_moved"],
+        "step_seconds_old": _median_step(old),
+        "step_seconds_new": step_new,
+        "overhead_seconds": event["downtime_seconds"] - step_new if step_new is not None else None,
+        "run_dir": str(run_dir),
+    }
+
+
+def _median_step(records: list[dict[str, Any]]) -> float | None:
+    gaps = [b["time"] - a["time"] for a, b in zip(records, records[1:], strict=False) if b["step"] == a["step"] + 1]
+    return statistics.median(gaps) if gaps else None
+
+
+def main() -> None:
+    args = parse_args()
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench_elastic-"))
+    work.mkdir(parents=True, exist_ok=True)
+    records: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    for model in args.models:
+        for round_index in range(args.rounds):
+            for path in PATHS:
+                record = run_event(args, model, path, work / f"{model}-{path}-{round_index}")
+                record["round"] = round_index
+                records.append(record)
+                print(f"{model:10s} {path:8s} round {round_index}: downtime {record['downtime_seconds']:.2f}s "
+                      f"recovery {record['recovery_seconds']:.2f}s rolled back {record['steps_rolled_back']} "
+                      f"phases " + ", ".join(f"{k} {v:.2f}" for k, v in record["phases"].items()), flush=True)
+    ratios = summarize(records)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "config": {k: str(v) for k, v in vars(args).items()}, "records": records, "ratios": ratios,
+        "seconds": time.perf_counter() - started,
+    }, indent=2))
+    print(f"wrote {args.out}")
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Median over rounds per (model, path); prints and returns restart/live ratios."""
+    ratios: dict[str, dict[str, float]] = {}
+    for model in dict.fromkeys(r["model"] for r in records):
+        med = {
+            path: {key: statistics.median(r[key] for r in records if r["model"] == model and r["path"] == path)
+                   for key in ("downtime_seconds", "recovery_seconds", "overhead_seconds")}
+            for path in PATHS
+        }
+        ratios[model] = {
+            "live_downtime_seconds": med["live"]["downtime_seconds"],
+            "restart_downtime_seconds": med["restart"]["downtime_seconds"],
+            "downtime_ratio": med["restart"]["downtime_seconds"] / med["live"]["downtime_seconds"],
+            "recovery_ratio": med["restart"]["recovery_seconds"] / med["live"]["recovery_seconds"],
+            "overhead_ratio": med["restart"]["overhead_seconds"] / med["live"]["overhead_seconds"],
+        }
+        r = ratios[model]
+        print(f"{model}: downtime live {r['live_downtime_seconds']:.2f}s, restart {r['restart_downtime_seconds']:.2f}s"
+              f" -> restart/live {r['downtime_ratio']:.1f}x (to regain the old step: {r['recovery_ratio']:.1f}x;"
+              f" downtime minus one step: {r['overhead_ratio']:.1f}x)")
+    return ratios
+
+
+if __name__ == "__main__":
+    main()
