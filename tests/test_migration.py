@@ -27,7 +27,12 @@ from lightning_emig.layout import HybridLayout, LayoutMesh, build_mesh
 from lightning_emig.migration.engine import MigrationFailedError, migrate
 from lightning_emig.migration.planner import IdentityMap, ProcessInfo, StateLostError
 from lightning_emig.migration.state import ShardingSpec, allocate_optimizer_state, training_state
-from lightning_emig.migration.transfer import ChecksumMismatchError, TransferOptions, max_single_row_bytes
+from lightning_emig.migration.transfer import (
+    IN_PLACE_MIN_BYTES,
+    ChecksumMismatchError,
+    TransferOptions,
+    max_single_row_bytes,
+)
 from lightning_emig.models.llama import Llama, LlamaConfig, causal_lm_loss, get_model_config
 from lightning_emig.parallelize import materialize_and_init, materialize_empty, parallelize_model
 from lightning_emig.testing.distributed import WorkerFailed, run_distributed
@@ -44,6 +49,7 @@ UNEVEN = LlamaConfig(dim=40, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=100
 #: Loss of a parallelized model vs the single-process one: reduction order only (see test_parallel_parity).
 LOSS_RTOL = 1e-5
 SMALL_BUCKET = 4 << 10
+IN_PLACE_SMALL = 64
 
 
 # ---------------------------------------------------------------------------------------------- scenarios
@@ -56,6 +62,8 @@ class Move:
     ranks: tuple[int, ...]
     bucket_bytes: int = 256 << 20
     checksum: bool = False
+    in_place_min_bytes: int = IN_PLACE_MIN_BYTES
+    """Lowered in some moves so that most boxes of the tiny model leave from / land in the live tensors."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +88,7 @@ CHAIN = Scenario(
     config=TINY,
     start={"dp_shard": 4},
     moves=tuple(
-        Move(name, layout, ALL4, bucket_bytes=SMALL_BUCKET)
+        Move(name, layout, ALL4, bucket_bytes=SMALL_BUCKET, in_place_min_bytes=IN_PLACE_SMALL)
         for name, layout in [
             ("tp2xdp_shard2", {"tp": 2, "dp_shard": 2}),
             ("dp_replicate2xdp_shard2", {"dp_replicate": 2, "dp_shard": 2}),
@@ -103,7 +111,7 @@ WORLD_CHANGES = Scenario(
         Move("6->1", {"dp_shard": 1}, (4,)),
         Move("1->2", {"tp": 2, "dp_shard": 1}, (1, 4)),
         Move("2->6", {"dp_replicate": 2, "dp_shard": 3}, ALL6, checksum=True),
-        Move("6->4", {"tp": 2, "dp_shard": 2}, (0, 2, 3, 5)),
+        Move("6->4", {"tp": 2, "dp_shard": 2}, (0, 2, 3, 5), in_place_min_bytes=IN_PLACE_SMALL),
         Move("4->3", {"dp_shard": 3}, (1, 3, 5), bucket_bytes=SMALL_BUCKET),
         Move("3->5", {"dp_shard": 5}, (0, 1, 2, 4, 5)),
     ),
@@ -119,7 +127,7 @@ UNEVEN_SHAPES = Scenario(
         Move("tp2xdp3->dp6", {"dp_shard": 6}, ALL6, bucket_bytes=1 << 10, checksum=True),
         Move("dp6->dp_replicate2xdp3", {"dp_replicate": 2, "dp_shard": 3}, ALL6),
         Move("dp_replicate2xdp3->tp2xdp3", {"tp": 2, "dp_shard": 3}, ALL6, bucket_bytes=SMALL_BUCKET),
-        Move("6->4 dp4", {"dp_shard": 4}, ALL4),
+        Move("6->4 dp4", {"dp_shard": 4}, ALL4, in_place_min_bytes=IN_PLACE_SMALL),
         Move("4->3 dp3", {"dp_shard": 3}, (3, 4, 5)),
         Move("3->6 tp2xdp3", {"tp": 2, "dp_shard": 3}, ALL6, bucket_bytes=SMALL_BUCKET),
     ),
@@ -232,7 +240,9 @@ def _scenario_worker(rank: int, world: int, scenario: Scenario, backend: str) ->
             new_state.update(allocate_optimizer_state(new_model, new_optimizer, template))
         if rank in union:
             old_state = training_state(model, optimizer) if rank in ranks else None
-            options = TransferOptions(bucket_bytes=move.bucket_bytes, checksum=move.checksum)
+            options = TransferOptions(
+                bucket_bytes=move.bucket_bytes, checksum=move.checksum, in_place_min_bytes=move.in_place_min_bytes
+            )
             report = migrate(
                 old_state=old_state, new_state=new_state, old_layout=layout_mesh.layout,
                 new_layout=new_mesh.layout, identity=identity, pid=rank, group=group, transfer=options,
@@ -248,6 +258,7 @@ def _scenario_worker(rank: int, world: int, scenario: Scenario, backend: str) ->
                 bytes_sent=report.stats.bytes_sent,
                 plan_bytes_sent=report.plan.bytes_sent,
                 peak_buffer_bytes=report.stats.peak_buffer_bytes,
+                bytes_in_place=report.stats.bytes_in_place,
                 max_row_bytes=max_single_row_bytes(report.plan),
                 rounds=report.stats.rounds,
                 seconds=report.seconds,
@@ -439,6 +450,19 @@ def test_peak_buffer_memory_is_bounded_by_the_bucket(run) -> None:
             assert r["peak_buffer_bytes"] <= SMALL_BUCKET, (move.name, r["pid"])
         assert max(r["rounds"] for r in records[move.name]) >= 8, "the budget should force many rounds"
         _check_bit_exact(records[move.name], move)
+
+
+def test_large_contiguous_boxes_travel_in_place_and_stay_bit_exact(run) -> None:
+    """Moves with a lowered in-place threshold send from / receive into live tensors (the bit-exact tests above
+    cover their results); a checksummed move stages everything, so corrupt bytes never land in live state."""
+    for scenario in (CHAIN, WORLD_CHANGES, UNEVEN_SHAPES):
+        records = run(scenario)
+        for move in scenario.moves:
+            in_place = sum(r["bytes_in_place"] for r in records[move.name] if r["union"])
+            if move.checksum:
+                assert in_place == 0, move.name
+            elif move.in_place_min_bytes < IN_PLACE_MIN_BYTES:
+                assert in_place > 0, move.name
 
 
 def test_mesh_over_a_subset_needs_ascending_distinct_ranks() -> None:

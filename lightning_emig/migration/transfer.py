@@ -5,8 +5,12 @@ Invariants:
 * matching without negotiation: the transfers between two processes are cut into buckets by the same rule on
   both sides (the pair's transfer list, in plan order, greedily packed up to the pair's bucket size, a transfer
   larger than a bucket cut into runs of whole rows, and a row larger than a bucket cut the same way along the
-  next dim), and bucket ``k`` of every pair travels in round ``k``, so every ``isend`` has its ``irecv`` in the
-  same ``batch_isend_irecv`` call on the other side;
+  next dim), and bucket ``k`` of every pair travels in round ``k`` as the same messages (a transfer of at least
+  ``IN_PLACE_MIN_BYTES`` alone, runs of smaller ones packed), so every ``isend`` has its ``irecv`` in the same
+  ``batch_isend_irecv`` call on the other side, in the same order;
+* no needless copies: a one-box message whose box is contiguous in the live tensor (FSDP's row shards are)
+  is sent from, or received into, that tensor directly when no checksum or fault injection is asked for;
+  everything else is staged in two arenas allocated once per transfer (pages touched once, not per round);
 * bounded memory: a pair's bucket is ``bucket_bytes / (2 x the larger peer count of the two)`` and no bucket is
   larger than that (the indivisible unit is one element), so the send and receive buffers of one round never
   exceed ``bucket_bytes`` on any process (unless the budget is below ``2 x peers x itemsize``);
@@ -14,7 +18,7 @@ Invariants:
 * a bucket may mix dtypes: boxes sit at arbitrary byte offsets of the flat buffer, never reinterpreted in place
   at an offset their dtype cannot be aligned to;
 * old state is released (``on_release(key)``) right after the round that last reads it;
-* with ``checksum=True`` each bucket carries a CRC32 of its bytes; a mismatch raises
+* with ``checksum=True`` each message carries a CRC32 of its bytes; a mismatch raises
   :class:`ChecksumMismatchError` once every round has run (so no peer is left waiting in a later round), and the
   received state must not be used.
 """
@@ -33,6 +37,8 @@ from lightning_emig.migration.geometry import ShardBox
 from lightning_emig.migration.planner import RankPlan, Transfer
 
 DEFAULT_BUCKET_BYTES = 256 << 20
+#: A transfer at least this large travels as its own message, so it can leave from / land in the live tensor.
+IN_PLACE_MIN_BYTES = 256 << 10
 
 
 class ChecksumMismatchError(RuntimeError):
@@ -45,6 +51,8 @@ class TransferOptions:
     """Budget for the send + receive buffers of one round on one process."""
     checksum: bool = False
     """Send a CRC32 with every bucket and verify it on receipt."""
+    in_place_min_bytes: int = IN_PLACE_MIN_BYTES
+    """A transfer of at least this many bytes travels as its own message (in place when contiguous)."""
     corrupt_in_transit: Callable[[int, int, torch.Tensor], None] | None = None
     """Fault injection for tests: called as ``(round, peer_pid, packed_send_buffer)`` after the checksum is taken."""
 
@@ -59,6 +67,8 @@ class TransferStats:
     bytes_received: int = 0
     bytes_copied: int = 0
     rounds: int = 0
+    bytes_in_place: int = 0
+    """Bytes sent from or received into the live tensors without staging."""
     peak_buffer_bytes: int = 0
     """Largest send + receive buffer space allocated in one round (the extra memory of the transfer)."""
     seconds_copy: float = 0.0
@@ -138,9 +148,8 @@ def _typed(raw: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> tor
     return raw.view(dtype).view(shape)
 
 
-def _pack(bucket: list[Transfer], old: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
-    """One flat byte buffer of the bucket's boxes, written in place (no per-box temporaries when aligned)."""
-    buffer = torch.empty(sum(t.nbytes for t in bucket), dtype=torch.uint8, device=device)
+def _pack(bucket: list[Transfer], old: dict[str, torch.Tensor], buffer: torch.Tensor) -> torch.Tensor:
+    """Write the bucket's boxes into the flat byte ``buffer`` (no per-box temporaries when aligned)."""
     offset = 0
     for t in bucket:
         source = old[t.tensor][t.src_slices()]
@@ -164,6 +173,49 @@ def _unpack(bucket: list[Transfer], buffer: torch.Tensor, new: dict[str, torch.T
             chunk = raw.clone().view(target.dtype).view(t.box.shape)
         target[t.dst_slices()].copy_(chunk)
         offset += t.nbytes
+
+
+def messages_of(bucket: list[Transfer], min_bytes: int = IN_PLACE_MIN_BYTES) -> list[list[Transfer]]:
+    """Cut a bucket into messages the same way on both ends: a large transfer alone, runs of small ones packed."""
+    messages: list[list[Transfer]] = []
+    run: list[Transfer] = []
+    for t in bucket:
+        if t.nbytes >= min_bytes:
+            if run:
+                messages.append(run)
+                run = []
+            messages.append([t])
+        else:
+            run.append(t)
+    if run:
+        messages.append(run)
+    return messages
+
+
+def _single_contiguous(bucket: list[Transfer], tensors: dict[str, torch.Tensor], *, source: bool) -> torch.Tensor | None:
+    """The one box of a one-transfer message as a contiguous view of the live tensor, to send or receive in place
+    (an FSDP shard's rows are contiguous); None when the message must be staged."""
+    if len(bucket) != 1:
+        return None
+    t = bucket[0]
+    view = tensors[t.tensor][t.src_slices() if source else t.dst_slices()]
+    return view.reshape(-1).view(torch.uint8) if view.is_contiguous() and view.numel() else None
+
+
+class _Arena:
+    """One staging buffer reused by every round: pages are touched once, not once per round."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.offset = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        view = self.buffer[self.offset : self.offset + nbytes]
+        self.offset += nbytes
+        return view
+
+    def reset(self) -> None:
+        self.offset = 0
 
 
 def _crc(buffer: torch.Tensor) -> int:
@@ -210,11 +262,17 @@ def run_transfer(
     last_read = _last_round_reading(schedule, old, plan)
     device = _device_of(new, old)
     start = time.perf_counter()
+    in_place = options.corrupt_in_transit is None and not options.checksum and device.type == "cpu"
+    arenas = _arenas(schedule, old, new, device, in_place, options.in_place_min_bytes)
+    # The arenas are the transfer's extra memory: at most the largest round's sends plus its receives.
+    stats.peak_buffer_bytes = sum(arena.buffer.numel() for arena in arenas)
     mismatch: ChecksumMismatchError | None = None
     for round_index, (sends, recvs) in enumerate(schedule):
         # After a mismatch keep running the remaining rounds: peers post them regardless, and raising now would
         # leave them blocked until the process group times out. Nothing received is trusted after a mismatch.
-        error = _run_round(round_index, sends, recvs, old, new, union_rank, group, options, device, stats)
+        error = _run_round(
+            round_index, sends, recvs, old, new, union_rank, group, options, device, stats, arenas, in_place
+        )
         mismatch = mismatch or error
         if on_release is not None:
             for key in last_read.get(round_index, ()):
@@ -230,6 +288,28 @@ def run_transfer(
 
 
 Round = tuple[dict[int, list[Transfer]], dict[int, list[Transfer]]]
+
+
+def _staged_bytes(buckets: dict[int, list[Transfer]], tensors: dict[str, torch.Tensor], *, source: bool,
+                  in_place: bool, min_bytes: int) -> int:
+    return sum(
+        sum(t.nbytes for t in message)
+        for bucket in buckets.values()
+        for message in messages_of(bucket, min_bytes)
+        if not (in_place and _single_contiguous(message, tensors, source=source) is not None)
+    )
+
+
+def _arenas(
+    schedule: list[Round], old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], device: torch.device,
+    in_place: bool, min_bytes: int,
+) -> tuple[_Arena, _Arena]:
+    """Send and receive staging sized for the largest round (within the budget by construction)."""
+    send = max((_staged_bytes(s, old, source=True, in_place=in_place, min_bytes=min_bytes) for s, _ in schedule),
+               default=0)
+    recv = max((_staged_bytes(r, new, source=False, in_place=in_place, min_bytes=min_bytes) for _, r in schedule),
+               default=0)
+    return _Arena(send, device), _Arena(recv, device)
 
 
 def _schedule(plan: RankPlan, me: int, peer_counts: dict[int, int], bucket_bytes: int) -> list[Round]:
@@ -268,48 +348,70 @@ def _run_round(
     options: TransferOptions,
     device: torch.device,
     stats: TransferStats,
+    arenas: tuple[_Arena, _Arena],
+    in_place: bool,
 ) -> ChecksumMismatchError | None:
-    """Post one round's sends and receives in one ``batch_isend_irecv``; return a checksum mismatch, if any."""
+    """Post one round's sends and receives in one ``batch_isend_irecv``; return a checksum mismatch, if any.
+
+    Each pair's bucket travels as messages (:func:`messages_of`). With ``in_place`` (no checksum, no fault
+    injection, CPU), a message that is one contiguous box is sent from, or received into, the live tensor
+    itself; everything else goes through the reused staging arenas.
+    """
+    send_arena, recv_arena = arenas
+    send_arena.reset()
+    recv_arena.reset()
     ops: list[dist.P2POp] = []
-    recv_buffers: dict[int, torch.Tensor] = {}
-    recv_sums: dict[int, torch.Tensor] = {}
+    # Per received message: (peer, its transfers, its buffer, its checksum or None, landed in place).
+    received: list[tuple[int, list[Transfer], torch.Tensor, torch.Tensor | None, bool]] = []
     buffer_bytes = 0
     for peer, bucket in sorted(sends.items()):
-        packed = _pack(bucket, old, device)
-        buffer_bytes += packed.numel()
-        if options.checksum:
-            checksum = torch.tensor([_crc(packed)], dtype=torch.int64, device=device)
-        if options.corrupt_in_transit is not None:
-            options.corrupt_in_transit(round_index, peer, packed)
-        ops.append(dist.P2POp(dist.isend, packed, group=group, group_peer=union_rank(peer)))
-        if options.checksum:
-            ops.append(dist.P2POp(dist.isend, checksum, group=group, group_peer=union_rank(peer)))
-        stats.bytes_sent += packed.numel()
-        stats.per_peer_bytes[peer] = stats.per_peer_bytes.get(peer, 0) + packed.numel()
+        for message in messages_of(bucket, options.in_place_min_bytes):
+            packed = _single_contiguous(message, old, source=True) if in_place else None
+            if packed is None:
+                packed = _pack(message, old, send_arena.take(sum(t.nbytes for t in message)))
+                buffer_bytes += packed.numel()
+            else:
+                stats.bytes_in_place += packed.numel()
+            if options.checksum:
+                checksum = torch.tensor([_crc(packed)], dtype=torch.int64, device=device)
+            if options.corrupt_in_transit is not None:
+                options.corrupt_in_transit(round_index, peer, packed)
+            ops.append(dist.P2POp(dist.isend, packed, group=group, group_peer=union_rank(peer)))
+            if options.checksum:
+                ops.append(dist.P2POp(dist.isend, checksum, group=group, group_peer=union_rank(peer)))
+            stats.bytes_sent += packed.numel()
+            stats.per_peer_bytes[peer] = stats.per_peer_bytes.get(peer, 0) + packed.numel()
     for peer, bucket in sorted(recvs.items()):
-        nbytes = sum(t.nbytes for t in bucket)
-        recv_buffers[peer] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        buffer_bytes += nbytes
-        ops.append(dist.P2POp(dist.irecv, recv_buffers[peer], group=group, group_peer=union_rank(peer)))
-        if options.checksum:
-            recv_sums[peer] = torch.empty(1, dtype=torch.int64, device=device)
-            ops.append(dist.P2POp(dist.irecv, recv_sums[peer], group=group, group_peer=union_rank(peer)))
-    stats.peak_buffer_bytes = max(stats.peak_buffer_bytes, buffer_bytes)
+        for message in messages_of(bucket, options.in_place_min_bytes):
+            target = _single_contiguous(message, new, source=False) if in_place else None
+            landed = target is not None
+            if landed:
+                stats.bytes_in_place += target.numel()
+            else:
+                target = recv_arena.take(sum(t.nbytes for t in message))
+                buffer_bytes += target.numel()
+            ops.append(dist.P2POp(dist.irecv, target, group=group, group_peer=union_rank(peer)))
+            checksum = None
+            if options.checksum:
+                checksum = torch.empty(1, dtype=torch.int64, device=device)
+                ops.append(dist.P2POp(dist.irecv, checksum, group=group, group_peer=union_rank(peer)))
+            received.append((peer, message, target, checksum, landed))
+    assert buffer_bytes <= stats.peak_buffer_bytes, "staging outgrew its arenas"
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
     mismatch: ChecksumMismatchError | None = None
-    for peer, bucket in sorted(recvs.items()):
-        buffer = recv_buffers[peer]
+    for peer, message, buffer, checksum, landed in received:
         stats.bytes_received += buffer.numel()
-        if options.checksum and _crc(buffer) != int(recv_sums[peer].item()):
-            names = sorted({t.tensor for t in bucket})
+        if checksum is not None and _crc(buffer) != int(checksum.item()):
+            names = sorted({t.tensor for t in message})
             mismatch = mismatch or ChecksumMismatchError(
-                f"checksum mismatch in round {round_index} from process {peer}: {len(bucket)} boxes of "
+                f"checksum mismatch in round {round_index} from process {peer}: {len(message)} boxes of "
                 f"{names[:3]}{'...' if len(names) > 3 else ''}; the migrated state is corrupt and was not accepted"
             )
             continue  # never write bytes known to be corrupt
-        _unpack(bucket, buffer, new)
+        if not landed:
+            _unpack(message, buffer, new)
     return mismatch
 
 
@@ -332,12 +434,14 @@ def max_single_row_bytes(plan: RankPlan) -> int:
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "IN_PLACE_MIN_BYTES",
     "ChecksumMismatchError",
     "TransferOptions",
     "TransferStats",
     "buckets_for_pair",
     "copy_local",
     "max_single_row_bytes",
+    "messages_of",
     "pair_bucket_bytes",
     "run_transfer",
 ]
