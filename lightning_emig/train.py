@@ -43,6 +43,11 @@ def run_training(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         handoff = parts.strategy.pending_handoff
         if handoff is None:
             break
+        if handoff.leaving:  # preempted with notice: the state went to the survivors; leave the job (exit 0)
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            return {"left": True, "step": parts.trainer.global_step, "pid": os.getpid()}
         handoff.lap("teardown")
         switch_to_generation(handoff.generation, timeout=parts.strategy.timeout)
         handoff.lap("group")

@@ -219,7 +219,7 @@ def test_pack_unpack_round_trip_with_mixed_dtypes() -> None:
         Transfer("step", ShardBox(()), 0, 1, (), (), 4),
         Transfer("double", ShardBox(((2, 5),)), 0, 1, (2,), (0,), 3 * 8),
     ]
-    buffer = _pack(bucket, old, torch.device("cpu"))
+    buffer = _pack(bucket, old, torch.empty(sum(t.nbytes for t in bucket), dtype=torch.uint8))
     assert buffer.dtype == torch.uint8 and buffer.numel() == sum(t.nbytes for t in bucket)
     new = {
         "half": torch.zeros(2, 4, dtype=torch.bfloat16),

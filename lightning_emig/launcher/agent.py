@@ -10,6 +10,14 @@ are the restart budget, the exit barrier and every other part of the loop. A res
 generation it leaves (``gen/<n>/restarting``) before it rejoins, so the healthy agents that then see it
 waiting restart as torchrun would, rather than mistake it for a joining node.
 
+Announced preemption: SIGTERM to the agent (or the file named by ``LIGHTNING_EMIG_PREEMPT_FILE`` appearing,
+the way to simulate a notice) does not stop the workers. The agent writes ``leaving/<node_id>`` with a deadline
+``LIGHTNING_EMIG_GRACE_S`` seconds away (default 60) into the control store and keeps monitoring: the workers
+hand their state to the survivors at the next step boundary and exit 0; the agent then leaves the rendezvous
+without closing it and without the exit barrier (the survivors' agents count only the nodes of the newest
+generation at theirs). A second SIGTERM, or a grace period that runs out, is torchrun's SIGTERM: workers are
+killed, and for the survivors it is an abrupt failure.
+
 Every rendezvous round — the first, a live change, a torchrun restart — is one generation: the agent
 publishes it after ``_rendezvous`` and gives the workers it starts the ``LIGHTNING_EMIG_*`` environment.
 Workers inherit the agent's ``os.environ`` (torchrun copies it into every worker), which is how the
@@ -18,9 +26,12 @@ environment reaches them without touching torchrun's per-worker code.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import signal
 import socket
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -28,11 +39,14 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from lightning_emig.launcher.generation import (
     GenerationError,
     NodeEntry,
     control_prefix,
+    latest_generation,
+    leaving_key,
     publish_generation,
     read_generation,
     restart_key,
@@ -46,6 +60,12 @@ ENV_LIVE_MEMBERSHIP = "LIGHTNING_EMIG_LIVE_MEMBERSHIP"
 
 PUBLISH_TIMEOUT = timedelta(seconds=60)
 """How long the round's rank-0 agent waits for every agent's node entry."""
+
+ENV_GRACE_S = "LIGHTNING_EMIG_GRACE_S"
+"""Seconds a preempted node's workers get to hand off their state and exit (default 60)."""
+
+ENV_PREEMPT_FILE = "LIGHTNING_EMIG_PREEMPT_FILE"
+"""A path; when that file appears, the agent acts as on SIGTERM (a simulated preemption notice)."""
 
 ROUND_GENERATION_KEY = "lightning_emig/generation"
 """Key in the rendezvous round's own store through which rank 0 hands the round its generation number."""
@@ -84,6 +104,10 @@ class MembershipAgent(LocalElasticAgent):
         self._control_prefix = ""
         self._keeping_workers = False
         self._generation_live = False
+        self.grace_s = float(os.environ.get(ENV_GRACE_S, "60"))
+        self._preempt_file = os.environ.get(ENV_PREEMPT_FILE) or None
+        self._notice_at: float | None = None  # monotonic time of the preemption notice
+        self._leaving_deadline: float | None = None  # monotonic; set once leaving/<node_id> is written
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         # torch's loop sets the group state before calling us: HEALTHY means "nodes are waiting".
@@ -166,4 +190,79 @@ class MembershipAgent(LocalElasticAgent):
             node_id=self.node_id, control_address=self._control_address, prefix=self._control_prefix,
             generation=self.generation, join_live=self._generation_live,
         ))
-        return super()._start_workers(worker_group)
+        pids = super()._start_workers(worker_group)
+        # torchrun's process context just registered its SIGTERM handler (kill the workers); ours opens the grace
+        # period instead. Only the main thread may set handlers (the agent's loop runs there).
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+        return pids
+
+    # ------------------------------------------------------------------ announced preemption
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if self._notice_at is not None:  # a second SIGTERM: torchrun's behaviour (workers are killed)
+            raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+        self._notice_at = time.monotonic()  # the store write happens in the monitor loop (not re-entrant here)
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> Any:
+        if self._notice_at is None and self._preempt_file and os.path.exists(self._preempt_file):
+            self._notice_at = time.monotonic()
+        if self._notice_at is not None:
+            self._announce_leaving()
+        return super()._monitor_workers(worker_group)
+
+    def _announce_leaving(self) -> None:
+        if self._leaving_deadline is None:
+            self._leaving_deadline = self._notice_at + self.grace_s
+            if self._control is not None:
+                self._control.set(leaving_key(self.node_id), json.dumps({"deadline": time.time() + self.grace_s}))
+            logger.warning("[%s] preemption notice: workers hand off their state and exit within %.0fs",
+                           self.node_id, self.grace_s)
+        elif time.monotonic() > self._leaving_deadline:
+            logger.error(
+                "[%s] PREEMPTION GRACE PERIOD OF %.0fs RAN OUT before the workers handed off their state: killing "
+                "them; for the survivors this is an abrupt failure", self.node_id, self.grace_s,
+            )
+            raise SignalException("preemption grace period ran out", sigval=signal.SIGTERM)
+
+    def _exit_barrier(self) -> None:
+        if self._leaving_deadline is not None:
+            self._leave_rendezvous()
+            return
+        nodes = self._nodes_in_latest_generation()
+        if nodes is None or nodes == self._worker_group.group_world_size:
+            super()._exit_barrier()
+            return
+        # Nodes left with notice since our last rendezvous round: wait only for the nodes still in the job.
+        from torch.distributed.elastic.utils import store as store_util
+
+        logger.info("waiting at the exit barrier for the %d node(s) of the newest generation", nodes)
+        try:
+            store_util.barrier(store=self._store, world_size=nodes, key_prefix=f"lightning_emig/exit/{self.generation}",
+                               barrier_timeout=self._exit_barrier_timeout)
+        except SignalException:
+            raise
+        except Exception:
+            logger.exception("error waiting on the exit barrier")
+
+    def _nodes_in_latest_generation(self) -> int | None:
+        if self._control is None:
+            return None
+        try:
+            latest = latest_generation(self._control)
+            return len(read_generation(self._control, latest).nodes) if latest >= 0 else None
+        except Exception:  # noqa: BLE001 - the store may be gone at the very end; fall back to torchrun's barrier
+            return None
+
+    def _leave_rendezvous(self) -> None:
+        """A preempted node whose workers handed off their state: leave the rendezvous, do not close it."""
+        handler: Any = self._worker_group.spec.rdzv_handler
+        logger.warning("[%s] workers handed off their state and exited; leaving the job", self.node_id)
+        try:  # DynamicRendezvousHandler internals (torch 2.13): stop heartbeats, remove this node from the round
+            from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
+
+            handler._stop_heartbeats()  # noqa: SLF001
+            handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + 30)  # noqa: SLF001
+        except Exception:  # noqa: BLE001 - the survivors' rendezvous then drops us by heartbeat timeout
+            logger.warning("could not leave the rendezvous explicitly", exc_info=True)
+        # launch_agent closes the rendezvous on success (the job is over): not when one node leaves.
+        handler.shutdown = lambda: True

@@ -30,6 +30,10 @@ Keys under the prefix (the control store), for generation ``n``:
   torchrun's restart path; healthy agents that then see nodes waiting restart too (torchrun's behaviour
   for failures) instead of carrying their workers over.
 * ``generation_counter``: the rank-0 agent takes each new number from it (``add(1) - 1``).
+* ``leaving/<node_id>``: JSON ``{"deadline"}`` (``time.time()`` by which the node is gone), written by an agent
+  that got a preemption notice (SIGTERM, or the file named by ``LIGHTNING_EMIG_PREEMPT_FILE`` appearing). The
+  workers then agree at a step boundary to hand that node's state to the survivors, its workers exit 0, and the
+  survivors' lowest rank publishes the next generation without the node (``kept_workers`` on every entry).
 
 One writer: each agent leaves its node entry in the rendezvous round's own store; the round's rank-0 agent
 gathers them, validates them, writes the generation's keys (``latest_generation`` last), and hands the number back to the round's agents
@@ -85,6 +89,11 @@ def node_key(generation: int, group_rank: int) -> str:
 
 def restart_key(generation: int) -> str:
     return f"gen/{generation}/restarting"
+
+
+def leaving_key(node_id: str) -> str:
+    """Control-store key an agent writes when its node got a preemption notice."""
+    return f"leaving/{node_id}"
 
 
 def store_prefix(generation: int) -> str:

@@ -13,6 +13,10 @@ The protocol, per step (only under ``lightning-emig-run``; elsewhere the callbac
    :class:`~lightning_emig.membership.handoff.LiveHandoff`, and stops the fit. The caller then starts a new
    ``Trainer.fit(ckpt_path="live")`` in the same process, in the new generation.
 
+When rank 0 also finds a ``leaving/<node_id>`` notice of a node of the current generation (announced preemption),
+the same all-reduce carries a flag and every rank runs :func:`~lightning_emig.membership.preempt.drain_leavers`
+on the old group before stopping the fit: the leavers' state moves to the survivors first.
+
 No checkpoint is written because of that stop: :class:`HandoffAwareCheckpoint` skips saving while a handoff is
 pending (this also skips a periodic checkpoint that would have fallen on exactly that step).
 """
@@ -33,6 +37,7 @@ from typing_extensions import override
 from lightning_emig.launcher.generation import control_client_from_env, latest_generation, read_generation
 from lightning_emig.membership.group import joiners_ready, under_launcher
 from lightning_emig.membership.handoff import LiveHandoff
+from lightning_emig.membership.preempt import drain_leavers, leaving_nodes
 from lightning_emig.migration.state import training_state
 from lightning_emig.strategy.boundary import _at_step_boundary
 
@@ -77,13 +82,21 @@ class RendezvousCallback(Callback):
         strategy.finish_join_event(trainer)
         last_step_wall = time.time()
         start = time.perf_counter()
-        latest = self._poll(strategy.generation) if trainer.global_rank == 0 else -1
+        latest, leave = self._poll(strategy.generation) if trainer.global_rank == 0 else (-1, 0)
         detect = time.perf_counter() - start
-        agreed = torch.tensor([latest], dtype=torch.int64, device=strategy.root_device)
+        agreed = torch.tensor([latest, leave], dtype=torch.int64, device=strategy.root_device)
         if dist.is_initialized():
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        latest = int(agreed.item())
+        latest, leave = (int(v) for v in agreed.tolist())
         self.agree_seconds.append(time.perf_counter() - start)
+        if leave and dist.is_initialized():
+            # A node announced its preemption: drain it over the old group, then stop like a handoff.
+            handoff = capture_handoff(trainer, new_generation=-1, last_step_wall=last_step_wall)
+            handoff.seconds.update(detect=detect, agree=self.agree_seconds[-1] - detect)
+            handoff.lap("capture")
+            strategy.pending_handoff = drain_leavers(trainer, self._client, handoff)
+            trainer.should_stop = True
+            return
         if latest <= strategy.generation:
             return
         handoff = capture_handoff(trainer, new_generation=latest, last_step_wall=last_step_wall)
@@ -104,14 +117,18 @@ class RendezvousCallback(Callback):
         if finish is not None:
             finish(trainer)
 
-    def _poll(self, current: int) -> int:
-        """Rank 0: the newest generation whose joiners are all ready, else ``current``."""
+    def _poll(self, current: int) -> tuple[int, int]:
+        """Rank 0: (the newest generation whose joiners are all ready, else ``current``; 1 if a node is leaving)."""
         now = time.monotonic()
         if now - self._last_poll < self.poll_interval_s:
-            return current
+            return current, 0
         self._last_poll = now
         if self._client is None:
             self._client = control_client_from_env(timeout_s=self.store_timeout_s)
+        leave = 1 if leaving_nodes(self._client, current) else 0
+        return self._newest_ready(current, now), leave
+
+    def _newest_ready(self, current: int, now: float) -> int:
         latest = latest_generation(self._client)
         if latest <= current:
             return current

@@ -15,6 +15,9 @@ Both sides then run the identical startup and meet in ``load_checkpoint``, where
 
 Scope: a pure join (every old rank is alive and keeps running). A process's id in the migration is its new
 rank, so the union of old and new processes is the new world and ``union_rank(pid) == new rank``.
+An announced preemption reuses it: the leavers' state has already moved to the survivors over the old group
+(:mod:`~lightning_emig.membership.preempt`), so the survivors' handoff describes the *new* world (old world = new
+world, local copies only) and carries ``prior``, the change that really happened, for the event.
 """
 
 from __future__ import annotations
@@ -61,6 +64,11 @@ class LiveHandoff:
     """Phases measured so far (detect, agree, capture, teardown, group, ...)."""
     phase_started: float = field(default_factory=time.perf_counter)
     """``perf_counter`` when the current phase began (``lap`` closes it)."""
+    prior: dict[str, Any] | None = None
+    """Set when the state already moved into the new world before this handoff (announced preemption, see
+    :mod:`~lightning_emig.membership.preempt`): the event's ``kind``, old layout and world, bytes moved."""
+    leaving: bool = False
+    """This process's node was preempted: its state was handed over, it leaves the job (no next fit)."""
 
     @property
     def optimizer_template(self) -> dict[str, ShardingSpec]:
@@ -96,6 +104,7 @@ class _Announcement:
     metadata: dict[str, Any]
     seconds: dict[str, float]
     last_step_wall: float
+    prior: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -109,6 +118,7 @@ class JoinResult:
     seconds: dict[str, float]
     last_step_wall: float
     step: int
+    kind: str = "join"
 
 
 def join_live(
@@ -137,7 +147,7 @@ def join_live(
         box[0] = _Announcement(
             old_layout=handoff.old_layout.as_dict(), old_world=handoff.old_world,
             optimizer_template=handoff.optimizer_template, metadata=handoff.metadata, seconds=dict(handoff.seconds),
-            last_step_wall=handoff.last_step_wall,
+            last_step_wall=handoff.last_step_wall, prior=handoff.prior,
         )
     dist.broadcast_object_list(box, src=source)
     news: _Announcement = box[0]
@@ -182,4 +192,10 @@ def join_live(
         seconds={**news.seconds, **seconds}, last_step_wall=news.last_step_wall,
         step=int(news.metadata["global_step"]),
     )
+    if news.prior is not None:  # the state moved before this fit (announced preemption): report that change
+        result.kind = news.prior["kind"]
+        result.old_layout = HybridLayout(**news.prior["old_layout"])
+        result.old_world = int(news.prior["old_world"])
+        result.bytes_moved += int(news.prior["bytes_moved"])
+        result.bytes_copied_locally += int(news.prior["bytes_copied_locally"])
     return dict(news.metadata), result

@@ -1,0 +1,174 @@
+"""Announced preemption: a node leaves with notice and its workers hand their state to the survivors first.
+
+The drain runs at an optimizer-step boundary, on the *old* process group (still whole: it is old ∪ new), by every
+old rank, once :class:`~lightning_emig.membership.callback.RendezvousCallback` agreed that a node announced its
+departure (``leaving/<node_id>`` in the control store, written by its agent on SIGTERM):
+
+1. global rank 0 broadcasts the current generation and the leaving nodes; every rank derives the survivors
+   (ranked in old-rank order) and the new layout (:func:`~lightning_emig.membership.handoff.layout_for_new_world`);
+2. the lowest surviving old rank (new rank 0) picks a free port on its host, publishes the next generation
+   (survivors only, all ``kept_workers``) and broadcasts its number;
+3. survivors allocate plain local buffers for their new shards (from the geometry, no mesh needed) and
+   :func:`~lightning_emig.migration.engine.migrate` moves every parameter and optimizer-state shard; leavers only
+   send (``new_state=None``);
+4. every rank stops the fit: a survivor carries a :class:`LiveHandoff` whose state is already laid out for the
+   new world (the next ``fit(ckpt_path="live")`` only copies locally) and records one ``preempt`` event; a
+   leaver's handoff says ``leaving`` and its process exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_emig.data.batching import BatchPlan
+from lightning_emig.launcher.generation import (
+    ENV_NODE_ID,
+    NodeEntry,
+    leaving_key,
+    publish_generation,
+    read_generation,
+)
+from lightning_emig.membership.handoff import LiveHandoff, layout_for_new_world
+from lightning_emig.migration.engine import migrate
+from lightning_emig.migration.planner import IdentityMap, ProcessInfo
+from lightning_emig.migration.state import StateTensor
+from lightning_emig.migration.transfer import TransferOptions
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
+
+
+def leaving_nodes(client: dist.Store, generation: int) -> list[str]:
+    """Rank 0: the nodes of ``generation`` that announced their departure."""
+    info = read_generation(client, generation)
+    return [node.node_id for node in info.nodes if client.check([leaving_key(node.node_id)])]
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def drain_leavers(trainer: pl.Trainer, client: Any, handoff: LiveHandoff) -> LiveHandoff:
+    """Run the drain (see the module docstring) on every old rank; returns this process's handoff.
+
+    ``client`` is the control-store client on global rank 0 (None elsewhere); ``handoff`` was captured at this
+    step boundary (old layout, old state, resume metadata). Survivors open their own client to publish.
+    """
+    from lightning_emig.launcher.generation import control_client_from_env
+
+    strategy: Any = trainer.strategy
+    rank, old_world, old_layout = strategy.global_rank, strategy.world_size, strategy.layout
+    started = time.perf_counter()
+    box: list[Any] = [None]
+    if rank == 0:
+        box[0] = (strategy.generation, leaving_nodes(client, strategy.generation))
+    dist.broadcast_object_list(box, src=0)
+    generation, leaving = box[0]
+    info = read_generation(client, generation) if rank == 0 else None
+    box = [info]
+    dist.broadcast_object_list(box, src=0)
+    info = box[0]
+    node_of = {info.rank_of(node.node_id, lr): node.node_id for node in info.nodes for lr in range(len(node.ranks))}
+    survivors = [r for r in range(old_world) if node_of[r] not in leaving]
+    if not survivors:
+        raise RuntimeError(f"every node of generation {generation} announced its departure: nobody to hand off to")
+    new_rank_of = {old: new for new, old in enumerate(survivors)}
+    new_world = len(survivors)
+    new_layout = layout_for_new_world(strategy._requested_layout, new_world)  # noqa: SLF001 - same rule as setup
+    my_new_rank = new_rank_of.get(rank)
+
+    # The new generation: published by new rank 0, which hosts its store.
+    master = survivors[0]
+    box = [None]
+    if rank == master:
+        host = info.master_addr if master == 0 else node_of[master].rsplit("_", 1)[0]
+        nodes = [
+            NodeEntry(node_id=n.node_id, ranks=tuple(new_rank_of[r] for r in n.ranks), kept_workers=True)
+            for n in info.nodes if n.node_id not in leaving
+        ]
+        own_client = client if client is not None else control_client_from_env()
+        box[0] = publish_generation(own_client, nodes=nodes, world_size=new_world, master_addr=host,
+                                    master_port=_free_port(host), rendezvous_seconds=0.0)
+    dist.broadcast_object_list(box, src=master)
+    new_generation = int(box[0])
+    agree = time.perf_counter() - started
+
+    # Survivors' new shards: plain local buffers, shaped by the geometry of the new layout.
+    started = time.perf_counter()
+    old_state = handoff.state
+    assert old_state is not None
+    new_state: dict[str, StateTensor] | None = None
+    if my_new_rank is not None:
+        new_state = {}
+        for key, tensor in old_state.items():
+            holding = tensor.spec.on(new_layout).holding_of_rank(my_new_rank)
+            shape = holding.local_shape if holding is not None else (0,)
+            new_state[key] = StateTensor(key, tensor.spec, torch.empty(shape, dtype=tensor.spec.dtype,
+                                                                        device=tensor.local.device))
+    identity = IdentityMap(
+        tuple(ProcessInfo(pid=r, node=node_of[r], old_rank=r, new_rank=new_rank_of.get(r)) for r in range(old_world)),
+        old_world, new_world,
+    )
+    allocate = time.perf_counter() - started
+    report = migrate(
+        old_state=old_state, new_state=new_state, old_layout=old_layout, new_layout=new_layout, identity=identity,
+        pid=rank, transfer=TransferOptions(bucket_bytes=strategy.bucket_bytes, checksum=strategy.checksum),
+    )
+    gathered: list[Any] = [None] * old_world
+    dist.all_gather_object(gathered, (report.stats.bytes_received, report.stats.bytes_copied))
+    totals = [sum(g[0] for g in gathered), sum(g[1] for g in gathered)]
+    seconds = {**handoff.seconds, "agree_leave": agree, "allocate": allocate,
+               "transfer": sum(report.seconds.values())}
+    handoff.seconds = seconds
+    handoff.phase_started = time.perf_counter()
+    handoff.generation = new_generation
+    handoff.state = new_state
+    handoff.prior = {
+        "kind": "preempt", "old_layout": old_layout.as_dict(), "old_world": old_world,
+        "bytes_moved": int(totals[0]), "bytes_copied_locally": int(totals[1]), "leaving_nodes": leaving,
+    }
+    if my_new_rank is None:
+        handoff.leaving = True
+        log.warning("node %s preempted: state handed over at step %d (%.1f MB sent), exiting",
+                    os.environ.get(ENV_NODE_ID, "?"), trainer.global_step, report.stats.bytes_sent / 1e6)
+    else:
+        handoff.old_layout, handoff.old_world, handoff.old_rank = new_layout, new_world, my_new_rank
+        new_plan = BatchPlan(global_batch_size=strategy.global_batch_size, micro_batch_size=strategy.micro_batch_size,
+                             dp_degree=new_layout.dp)
+        _rescale_batch_progress(handoff.metadata, trainer.accumulate_grad_batches, new_plan.grad_accumulation)
+        if my_new_rank == 0:
+            log.warning(
+                "node(s) %s preempted at step %d: world %d -> %d, %s -> %s, %.1f MB moved; generation %d",
+                leaving, trainer.global_step, old_world, new_world, old_layout.describe(), new_layout.describe(),
+                int(totals[0]) / 1e6, new_generation,
+            )
+    return handoff
+
+
+def _rescale_batch_progress(metadata: dict[str, Any], old_accumulation: int, new_accumulation: int) -> None:
+    """Re-express the saved micro-batch counters as "steps done x new accumulation".
+
+    Lightning steps when ``batch_progress.current.ready % accumulate_grad_batches == 0``; the counters were captured
+    under the old world's accumulation (the same rule as :func:`~lightning_emig.strategy.boundary.restart_training_iterator`
+    applies to a live layout change in one fit).
+    """
+    if old_accumulation == new_accumulation:
+        return
+    progress = metadata["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+    for scope in ("current", "total"):
+        counters = progress[scope]
+        micro_batches = counters["ready"] // old_accumulation * new_accumulation
+        in_batch_end = counters["completed"] < counters["processed"]
+        counters.update(ready=micro_batches, started=micro_batches, processed=micro_batches,
+                        completed=micro_batches - 1 if in_batch_end else micro_batches)

@@ -1,0 +1,148 @@
+"""Announced preemption: a node leaves a running ``lightning-emig-run`` job with notice, its state goes first.
+
+Nodes A (127.0.0.2) and B (127.0.0.3) start together and train as a world of two (``dp_shard=2``: B's worker
+holds half of every shard and there is no replica anywhere else; should B's agent miss A's first rendezvous round,
+B joins live instead). Twenty-odd steps later, B's agent gets SIGTERM. Specification:
+
+* B's agent does not kill its worker: at the next step boundary the worker sends its shards to A over the old
+  process group and exits 0, and B's agent exits 0;
+* A's agent exits 0, and A's worker finishes ``max_steps`` with its original process id, alone (world 1);
+* ``events.jsonl`` holds a ``join`` (1 -> 2) then exactly one ``preempt`` event, world 2 -> 1, with bytes moved;
+* every step's loss equals the uninterrupted single-process run with the same global batch, to a relative 1e-4
+  (two FSDP ranks sum gradients in another order than one process accumulating four micro-batches).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_emig.testing.commands import (
+    descendants,
+    is_alive,
+    kill_tree,
+    python_module_command,
+    run_command,
+)
+from lightning_emig.testing.distributed import free_port
+from lightning_emig.testing.nodes import REPO, wait_for
+from lightning_emig.testing.nodes import log_tail as _log
+
+MAX_STEPS = 150
+TRAIN = ["data=synthetic", "model=tiny", f"trainer.max_steps={MAX_STEPS}", "trainer.global_batch_size=8",
+         "trainer.micro_batch_size=2", "trainer.progress_bar=false", "trainer.pg_timeout_s=60"]
+REL_TOL = 1e-4
+
+
+def _start_node(log_dir: Path, name: str, local_addr: str, port: int, run_dir: Path, *, hosts_store: bool
+                ) -> subprocess.Popen:
+    """One agent, one worker. The rendezvous store lives in one agent: it must be a node that stays (torchrun's own
+    rule for the c10d backend), so it is pinned with ``is_host`` instead of going to whichever agent binds first."""
+    cmd = [
+        sys.executable, "-m", "lightning_emig.run", "--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=preempt",
+        f"--rdzv-conf=last_call_timeout=2,is_host={str(hosts_store).lower()}", f"--local-addr={local_addr}",
+        "--max-restarts=0", "--monitor-interval=0.2", "-m", "lightning_emig.train", *TRAIN,
+        "trainer.checkpoint_every_n_steps=10", f"hydra.run.dir={run_dir}",
+    ]
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
+           "LIGHTNING_EMIG_GRACE_S": "60"}
+    log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 - the child holds it; closed here right after
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    return proc
+
+
+def _events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _reference_losses(tmp_path: Path) -> dict[str, float]:
+    run_dir = tmp_path / "reference"
+    cmd = python_module_command("lightning_emig.train", *TRAIN, f"hydra.run.dir={run_dir}")
+    result = run_command(cmd, timeout_s=120, cwd=REPO, env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-4000:]
+    return json.loads((run_dir / "summary.json").read_text())["step_losses"]
+
+
+def test_batch_counters_are_re_expressed_for_the_new_accumulation() -> None:
+    from lightning_emig.membership.preempt import _rescale_batch_progress
+
+    # Captured in on_train_batch_end of step 21 under accumulation 2 (completed lags by the batch being ended).
+    counters = {"ready": 42, "started": 42, "processed": 42, "completed": 41}
+    metadata = {"loops": {"fit_loop": {"epoch_loop.batch_progress": {"current": dict(counters),
+                                                                      "total": dict(counters)}}}}
+    _rescale_batch_progress(metadata, 2, 4)
+    progress = metadata["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+    for scope in ("current", "total"):
+        assert progress[scope] == {"ready": 84, "started": 84, "processed": 84, "completed": 83}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_preempted_node_hands_off_its_state_and_the_survivor_continues(tmp_path: Path) -> None:
+    port = free_port()
+    run_dir = tmp_path / "run"
+    agents: dict[str, subprocess.Popen] = {}
+    try:
+        # Both nodes at once: one rendezvous round of two (or, if B's agent comes late, A alone and then B joins).
+        agents["a"] = _start_node(tmp_path, "a", "127.0.0.2", port, run_dir, hosts_store=True)
+        agents["b"] = _start_node(tmp_path, "b", "127.0.0.3", port, run_dir, hosts_store=False)
+        wait_for(lambda: "generation 0: world 2 on 2 node(s)" in (tmp_path / "a.log").read_text()
+                 or any(e["kind"] == "join" for e in _events(run_dir))
+                 or any(p.poll() is not None for p in agents.values()),
+                 120, f"the two nodes did not form a world of two:\n{_log(tmp_path, 'a')}\n{_log(tmp_path, 'b')}")
+        # A few steps on the world of two (a checkpoint every 10 steps), then the notice.
+        start = max([e["step"] for e in _events(run_dir)], default=0)
+        after = (start // 10 + 2) * 10
+        wait_for(lambda: (run_dir / "checkpoints" / f"step{after:06d}.ckpt").exists()
+                 or any(p.poll() is not None for p in agents.values()),
+                 120, f"no checkpoint at step {after} on the world of two:\n{_log(tmp_path, 'a')}")
+        a_workers = [p for p in descendants(agents["a"].pid) if is_alive(p)]
+        b_workers = [p for p in descendants(agents["b"].pid) if is_alive(p)]
+        assert b_workers and all(p.poll() is None for p in agents.values())
+        os.kill(agents["b"].pid, signal.SIGTERM)
+        for name, proc in agents.items():
+            try:
+                proc.wait(timeout=150)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"agent {name} did not finish; its log:\n{_log(tmp_path, name)}")
+        for name, proc in agents.items():
+            assert proc.returncode == 0, f"agent {name} failed:\n{_log(tmp_path, name)}"
+        assert not any(is_alive(p) for p in b_workers), "B's worker outlived its agent"
+    finally:
+        for proc in agents.values():
+            kill_tree(proc.pid)
+            proc.wait(timeout=10)
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["pid"] in a_workers, "node A's worker was restarted"
+    assert summary["world_size"] == 1
+    events = _events(run_dir)
+    kinds = [(e["kind"], e["old_world"], e["new_world"]) for e in events]
+    assert kinds in ([("preempt", 2, 1)], [("join", 1, 2), ("preempt", 2, 1)]), events
+    preempt = events[-1]
+    assert preempt["old_layout"]["dp_shard"] == 2 and preempt["new_layout"]["dp_shard"] == 1
+    assert preempt["bytes_moved"] > 0
+    assert after <= preempt["step"] < MAX_STEPS
+    assert not (run_dir / "checkpoints" / f"step{preempt['step']:06d}.ckpt").exists(), "the handoff wrote a checkpoint"
+
+    losses = summary["step_losses"]
+    assert sorted(int(k) for k in losses) == list(range(MAX_STEPS))
+    reference = _reference_losses(tmp_path)
+    worst = max(abs(losses[k] - reference[k]) / abs(reference[k]) for k in reference)
+    assert worst < REL_TOL, f"loss curve departs from the reference by {worst:.2e} (relative)"
+    print(
+        f"\npreemption at step {preempt['step']}: downtime {preempt['downtime_seconds']:.2f}s, "
+        f"{preempt['bytes_moved'] / 1e6:.2f} MB moved; phases "
+        + ", ".join(f"{k} {v:.3f}s" for k, v in preempt["seconds"].items())
+        + f"; worst relative loss gap {worst:.1e}"
+    )
