@@ -30,11 +30,10 @@ from lightning_emig.testing.commands import (
     descendants,
     is_alive,
     kill_tree,
-    python_module_command,
-    run_command,
 )
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.nodes import log_tail as _log
+from lightning_emig.testing.nodes import reference_losses
 from lightning_emig.testing.nodes import wait_for as _wait_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,14 +93,6 @@ def _median_ms(seconds: list[float]) -> float:
     return sorted(seconds)[len(seconds) // 2] * 1e3 if seconds else float("nan")
 
 
-def _reference_losses(tmp_path: Path) -> dict[str, float]:
-    run_dir = tmp_path / "reference"
-    cmd = python_module_command("lightning_emig.train", *TRAIN, f"hydra.run.dir={run_dir}")
-    result = run_command(cmd, timeout_s=120, cwd=REPO, env={"OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stdout[-4000:]
-    return json.loads((run_dir / "summary.json").read_text())["step_losses"]
-
-
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
@@ -140,7 +131,7 @@ def test_a_node_joins_live_training_without_restarting_the_survivor(tmp_path: Pa
 
     losses = summary["step_losses"]
     assert sorted(int(k) for k in losses) == list(range(MAX_STEPS))
-    reference = _reference_losses(tmp_path)
+    reference = reference_losses(tmp_path, TRAIN)
     worst = max(abs(losses[k] - reference[k]) / abs(reference[k]) for k in reference)
     assert worst < REL_TOL, f"loss curve departs from the reference by {worst:.2e} (relative)"
     agree = summary["agree_seconds"]

@@ -27,11 +27,9 @@ from lightning_emig.testing.commands import (
     descendants,
     is_alive,
     kill_tree,
-    python_module_command,
-    run_command,
 )
 from lightning_emig.testing.distributed import free_port
-from lightning_emig.testing.nodes import REPO, wait_for
+from lightning_emig.testing.nodes import REPO, reference_losses, wait_for
 from lightning_emig.testing.nodes import log_tail as _log
 
 MAX_STEPS = 150
@@ -62,14 +60,6 @@ def _start_node(log_dir: Path, name: str, local_addr: str, port: int, run_dir: P
 def _events(run_dir: Path) -> list[dict]:
     path = run_dir / "events.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _reference_losses(tmp_path: Path) -> dict[str, float]:
-    run_dir = tmp_path / "reference"
-    cmd = python_module_command("lightning_emig.train", *TRAIN, f"hydra.run.dir={run_dir}")
-    result = run_command(cmd, timeout_s=120, cwd=REPO, env={"OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stdout[-4000:]
-    return json.loads((run_dir / "summary.json").read_text())["step_losses"]
 
 
 def test_batch_counters_are_re_expressed_for_the_new_accumulation() -> None:
@@ -137,7 +127,7 @@ def test_a_preempted_node_hands_off_its_state_and_the_survivor_continues(tmp_pat
 
     losses = summary["step_losses"]
     assert sorted(int(k) for k in losses) == list(range(MAX_STEPS))
-    reference = _reference_losses(tmp_path)
+    reference = reference_losses(tmp_path, TRAIN)
     worst = max(abs(losses[k] - reference[k]) / abs(reference[k]) for k in reference)
     assert worst < REL_TOL, f"loss curve departs from the reference by {worst:.2e} (relative)"
     print(

@@ -25,11 +25,9 @@ from lightning_emig.testing.commands import (
     descendants,
     is_alive,
     kill_tree,
-    python_module_command,
-    run_command,
 )
 from lightning_emig.testing.distributed import free_port
-from lightning_emig.testing.nodes import REPO, log_tail, start_node, wait_for
+from lightning_emig.testing.nodes import log_tail, reference_losses, start_node, wait_for
 from lightning_emig.training.resume import (
     FoundCheckpoint,
     newest_checkpoint,
@@ -44,14 +42,6 @@ TRAIN = ["data=synthetic", "model=tiny", f"trainer.max_steps={MAX_STEPS}", "trai
          f"trainer.checkpoint_every_n_steps={EVERY}"]
 REL_TOL = 1e-4
 RESTART_PATH = {"LIGHTNING_EMIG_LIVE_MEMBERSHIP": "0"}
-
-
-def _reference_losses(tmp_path: Path) -> dict[str, float]:
-    run_dir = tmp_path / "reference"
-    cmd = python_module_command("lightning_emig.train", *TRAIN, f"hydra.run.dir={run_dir}")
-    result = run_command(cmd, timeout_s=120, cwd=REPO, env={"OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stdout[-4000:]
-    return json.loads((run_dir / "summary.json").read_text())["step_losses"]
 
 
 @pytest.mark.slow
@@ -104,7 +94,7 @@ def test_a_join_under_torchrun_restarts_workers_and_resumes_from_the_newest_chec
     summary = json.loads((run_dir / "summary.json").read_text())
     losses = summary["step_losses"]
     assert sorted(int(k) for k in losses) == list(range(resumed, MAX_STEPS))
-    reference = _reference_losses(tmp_path)
+    reference = reference_losses(tmp_path, TRAIN)
     worst = max(abs(losses[k] - reference[k]) / abs(reference[k]) for k in losses)
     assert worst < REL_TOL, f"resumed loss curve departs from the reference by {worst:.2e} (relative)"
     print(

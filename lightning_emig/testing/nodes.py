@@ -47,3 +47,16 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None
 def log_tail(log_dir: Path, name: str, chars: int = 6000) -> str:
     path = log_dir / f"{name}.log"
     return path.read_text()[-chars:] if path.exists() else ""
+
+
+def reference_losses(tmp_path: Path, train_args: Sequence[str]) -> dict[str, float]:
+    """Per-step losses of the same training, uninterrupted, in one process (the yardstick of elastic runs)."""
+    import json
+
+    from lightning_emig.testing.commands import python_module_command, run_command
+
+    run_dir = tmp_path / "reference"
+    cmd = python_module_command("lightning_emig.train", *train_args, f"hydra.run.dir={run_dir}")
+    result = run_command(cmd, timeout_s=120, cwd=REPO, env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-4000:]
+    return json.loads((run_dir / "summary.json").read_text())["step_losses"]
