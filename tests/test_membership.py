@@ -16,9 +16,7 @@ worker starts there directly, and the parameters and optimizer state move point 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,7 +31,7 @@ from lightning_emig.testing.commands import (
 )
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.nodes import log_tail as _log
-from lightning_emig.testing.nodes import reference_losses
+from lightning_emig.testing.nodes import reference_losses, start_node
 from lightning_emig.testing.nodes import wait_for as _wait_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,17 +74,8 @@ def test_generation_env_describes_the_new_world_to_lightning() -> None:
 
 
 def _start_node(tmp_path: Path, name: str, local_addr: str, port: int, run_dir: Path) -> subprocess.Popen:
-    cmd = [
-        sys.executable, "-m", "lightning_emig.run", "--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=live-train", "--rdzv-conf=last_call_timeout=2",
-        f"--local-addr={local_addr}", "--max-restarts=0", "--monitor-interval=0.2",
-        "-m", "lightning_emig.train", *TRAIN, "trainer.checkpoint_every_n_steps=10", f"hydra.run.dir={run_dir}",
-    ]
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
-    log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed with the process below
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    log.close()
-    return proc
+    return start_node(tmp_path, name, local_addr=local_addr, port=port, run_dir=run_dir,
+                      train_args=[*TRAIN, "trainer.checkpoint_every_n_steps=10"])
 
 
 def _median_ms(seconds: list[float]) -> float:

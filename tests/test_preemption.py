@@ -18,7 +18,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,8 +28,8 @@ from lightning_emig.testing.commands import (
     kill_tree,
 )
 from lightning_emig.testing.distributed import free_port
-from lightning_emig.testing.nodes import REPO, reference_losses, wait_for
 from lightning_emig.testing.nodes import log_tail as _log
+from lightning_emig.testing.nodes import reference_losses, start_node, wait_for
 
 MAX_STEPS = 150
 TRAIN = ["data=synthetic", "model=tiny", f"trainer.max_steps={MAX_STEPS}", "trainer.global_batch_size=8",
@@ -42,19 +41,11 @@ def _start_node(log_dir: Path, name: str, local_addr: str, port: int, run_dir: P
                 ) -> subprocess.Popen:
     """One agent, one worker. The rendezvous store lives in one agent: it must be a node that stays (torchrun's own
     rule for the c10d backend), so it is pinned with ``is_host`` instead of going to whichever agent binds first."""
-    cmd = [
-        sys.executable, "-m", "lightning_emig.run", "--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=preempt",
-        f"--rdzv-conf=last_call_timeout=2,is_host={str(hosts_store).lower()}", f"--local-addr={local_addr}",
-        "--max-restarts=0", "--monitor-interval=0.2", "-m", "lightning_emig.train", *TRAIN,
-        "trainer.checkpoint_every_n_steps=10", f"hydra.run.dir={run_dir}",
-    ]
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
-           "LIGHTNING_EMIG_GRACE_S": "60"}
-    log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 - the child holds it; closed here right after
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    log.close()
-    return proc
+    return start_node(
+        log_dir, name, local_addr=local_addr, port=port, run_dir=run_dir, rdzv_id="preempt",
+        rdzv_conf=f"is_host={str(hosts_store).lower()}", env={"LIGHTNING_EMIG_GRACE_S": "60"},
+        train_args=[*TRAIN, "trainer.checkpoint_every_n_steps=10"],
+    )
 
 
 def _events(run_dir: Path) -> list[dict]:
