@@ -60,8 +60,8 @@ def test_bad_config_fails_with_a_clear_message(tmp_path: Path, override: str, me
     assert message in result.stdout
 
 
-def test_wandb_logs_offline_under_one_stable_run_id(tmp_path: Path) -> None:
-    from lightning_emig.training.builders import _stable_run_id
+def test_wandb_logs_offline_under_onestable_run_id(tmp_path: Path) -> None:
+    from lightning_emig.training.builders import stable_run_id
 
     run_dir = tmp_path / "run"
     cmd = python_module_command("lightning_emig.train", "logger=wandb", *QUICK, "trainer.global_batch_size=4",
@@ -71,4 +71,4 @@ def test_wandb_logs_offline_under_one_stable_run_id(tmp_path: Path) -> None:
     runs = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     # The id is derived from the run directory, so restarts and later generations append to the same run.
-    assert runs[0].name.endswith(_stable_run_id(run_dir))
+    assert runs[0].name.endswith(stable_run_id(run_dir))

@@ -86,7 +86,7 @@ def build_loggers(cfg: TrainConfig, run_dir: Path) -> list[Logger]:
                 save_dir=str(run_dir),
                 offline=cfg.logger.wandb_mode == "offline",
                 # One id for the whole job: restarts and generations append to the same run.
-                id=_stable_run_id(run_dir),
+                id=stable_run_id(run_dir),
                 resume="allow",
             )
         )
@@ -191,7 +191,8 @@ def _section_dict(section: Any) -> dict[str, Any]:
     return asdict(section)
 
 
-def _stable_run_id(run_dir: Path) -> str:
+def stable_run_id(run_dir: Path) -> str:
+    """The wandb run id of a run directory: the same for every restart and generation of the job."""
     import hashlib
 
     return hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:12]
