@@ -166,10 +166,15 @@ def capture_handoff(trainer: pl.Trainer, *, new_generation: int, last_step_wall:
 
 
 class HandoffAwareCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` that saves nothing while live state is being handed to a new generation."""
+    """``ModelCheckpoint`` that saves nothing while live state is being handed to a new generation, nor at the
+    step a live handoff resumed from: Lightning restores that state as "at the end of that batch" and would
+    otherwise save it again before the first new step, on the downtime's critical path."""
 
     @override
     def _should_skip_saving_checkpoint(self, trainer: pl.Trainer) -> bool:
-        if getattr(trainer.strategy, "pending_handoff", None) is not None:
+        strategy = trainer.strategy
+        if getattr(strategy, "pending_handoff", None) is not None:
+            return True
+        if getattr(strategy, "live_resume_step", None) == trainer.global_step:
             return True
         return super()._should_skip_saving_checkpoint(trainer)

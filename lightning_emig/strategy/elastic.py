@@ -110,6 +110,8 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         self.generation = handoff.generation if handoff is not None else _start_generation()
         """The launcher generation this fit runs in (0 outside ``lightning-emig-run``)."""
         self._join: tuple[JoinResult, float] | None = None
+        self.live_resume_step: int | None = None
+        """The step a live handoff resumed at (its state was never written; no checkpoint is due for it)."""
         self.resumed_from: ResumedCheckpoint | None = None
         """Set when this fit resumed from a checkpoint file, until its first step's time is recorded."""
 
@@ -358,6 +360,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         finally:
             self.migrating = False
         self._join = (result, time.perf_counter())
+        self.live_resume_step = result.step
         if self.global_rank == 0:
             log.warning(
                 "joined generation %d: world %d -> %d, %s -> %s, %.1f MB moved, resuming at step %d",
