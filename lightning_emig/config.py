@@ -47,6 +47,15 @@ class ElasticSection:
     """Memory budget of a migration's transfer buffers per process."""
     checksum: bool = False
     """CRC32 every migrated bucket and fail loudly on a mismatch."""
+    heartbeat_interval_s: float = 1.0
+    """Under lightning-emig-run every worker writes a heartbeat into the control store this often."""
+    heartbeat_timeout_s: float = 10.0
+    """A worker whose heartbeat is older than this, after a collective failed, is taken for dead."""
+    failure_timeout_s: float = 120.0
+    """After a collective failed: how long survivors wait to learn who is alive before giving up (exit)."""
+    below_min_timeout_s: float = 300.0
+    """With fewer nodes than ``--nnodes`` MIN, how long survivors wait (state in memory) for joiners before they
+    carry on with the nodes they have."""
 
 
 @dataclass(kw_only=True)
@@ -60,6 +69,8 @@ class DataSection:
     seed: int = 0
     """Seed of the per-epoch permutation."""
     cache_dir: Optional[str] = None  # noqa: UP045
+    ledger: bool = False
+    """Write the sample ids every rank consumes at every step to ``<run_dir>/ledger/`` (exactly-once checks)."""
 
 
 @dataclass(kw_only=True)
@@ -74,6 +85,8 @@ class TrainerSection:
     micro_batch_size: int = 4
     checkpoint_every_n_steps: int = 0
     """Save a sharded DCP checkpoint every N optimizer steps (0 = only at the end)."""
+    checkpoint_async: bool = True
+    """Periodic checkpoints are written in the background (training goes on while they are written)."""
     precision: str = "32-true"
     seed: int = 0
     pg_timeout_s: int = 600
