@@ -30,6 +30,7 @@ from lightning_emig.migration.engine import migrate
 from lightning_emig.migration.planner import IdentityMap
 from lightning_emig.migration.state import allocate_optimizer_state, training_state
 from lightning_emig.migration.transfer import TransferOptions
+from lightning_emig.training.progress import show_migration
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -91,6 +92,7 @@ def reconfigure_live(
     new_layout = requested.resolve(strategy.world_size)
     if new_layout == old_layout:
         return None
+    show_migration(trainer, f"migrating: reconfigure to {new_layout.describe()}")
     _validate(module, new_layout)
     new_plan = BatchPlan(strategy.global_batch_size, strategy.micro_batch_size, new_layout.dp)
     timer.lap("validate")
