@@ -29,6 +29,8 @@ register_configs()
 
 def run_training(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     from lightning_emig.membership import LIVE_CHECKPOINT, joining_live
+    from lightning_emig.membership.below_min import wait_for_enough_nodes
+    from lightning_emig.membership.failure import Rollback
     from lightning_emig.training.builders import build_run, resolve_resume
 
     start = time.perf_counter()
@@ -37,21 +39,37 @@ def run_training(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     agree_seconds: list[float] = []
     events: list[Any] = []
     while True:
-        parts.trainer.fit(parts.module, train_dataloaders=parts.loader, ckpt_path=ckpt_path)
+        failure = _fit(parts, ckpt_path)
+        if failure is None:  # a join at max_steps: that fit ran no step, its event is still due
+            parts.strategy.finish_join_event(parts.trainer)
         agree_seconds += _agree_seconds(parts)
         events += parts.strategy.events
-        handoff = parts.strategy.pending_handoff
-        if handoff is None:
-            break
-        if handoff.leaving:  # preempted with notice: the state went to the survivors; leave the job (exit 0)
-            import torch.distributed as dist
+        if failure is not None:  # a peer died: the survivors carry on (see lightning_emig.membership.failure)
+            outcome = _recover(parts, failure)
+            _drop_model(parts.module)
+            if isinstance(outcome, Rollback):
+                parts = build_run(cfg, run_dir, rollback=outcome, module=parts.module)  # type: ignore[arg-type]
+                ckpt_path = outcome.checkpoint
+                continue
+            handoff = outcome
+        else:
+            handoff = parts.strategy.pending_handoff
+            if handoff is None:
+                break
+            if handoff.leaving:  # preempted with notice: the state went to the survivors; leave the job (exit 0)
+                import torch.distributed as dist
 
-            dist.destroy_process_group()
-            return {"left": True, "step": parts.trainer.global_step, "pid": os.getpid()}
-        handoff.lap("teardown")
-        switch_to_generation(handoff.generation, timeout=parts.strategy.timeout)
-        handoff.lap("group")
-        _drop_model(parts.module)
+                dist.destroy_process_group()
+                return {"left": True, "step": parts.trainer.global_step, "pid": os.getpid()}
+            handoff.lap("teardown")
+            switch_to_generation(handoff.generation, timeout=parts.strategy.timeout)
+            handoff.lap("group")
+            _drop_model(parts.module)
+        newer = wait_for_enough_nodes(handoff.generation, parts.strategy.failure_settings.below_min_timeout_s)
+        if newer is not None:  # fewer nodes than MIN were left: join the generation that brought more
+            handoff.generation = newer
+            switch_to_generation(newer, timeout=parts.strategy.timeout)
+            handoff.phase_started = time.perf_counter()
         parts = build_run(cfg, run_dir, handoff=handoff, module=parts.module)  # type: ignore[arg-type]
         ckpt_path = LIVE_CHECKPOINT
     seconds = time.perf_counter() - start
@@ -62,6 +80,39 @@ def run_training(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         _print_summary(summary)
     return summary
+
+
+def _fit(parts: Any, ckpt_path: str | None) -> BaseException | None:
+    """Run one ``Trainer.fit``; a collective that failed because a peer died is returned, anything else raised."""
+    from lightning_emig.membership import under_launcher
+    from lightning_emig.membership.failure import is_peer_failure
+
+    try:
+        parts.trainer.fit(parts.module, train_dataloaders=parts.loader, ckpt_path=ckpt_path)
+    except Exception as exc:
+        if under_launcher() and is_peer_failure(exc):
+            return exc
+        raise
+    return None
+
+
+def _recover(parts: Any, failure: BaseException) -> Any:
+    """The survivors' side of an abrupt failure: a handoff into their generation, or a rollback to a checkpoint."""
+    import torch.distributed as dist
+
+    from lightning_emig.launcher.generation import ENV_NODE_ID
+    from lightning_emig.membership.failure import Rollback, recover_from_failure
+    from lightning_emig.training.resume import newest_checkpoint
+
+    outcome = recover_from_failure(parts.strategy, failure, os.environ[ENV_NODE_ID], int(os.environ["LOCAL_RANK"]))
+    if isinstance(outcome, Rollback):
+        box: list[Any] = [None]
+        if dist.get_rank() == 0:  # one rank decides: a background save might complete while the others look
+            found = newest_checkpoint(parts.run_dir / "checkpoints")
+            box[0] = str(found.path) if found is not None else None
+        dist.broadcast_object_list(box, src=0)
+        outcome.checkpoint = box[0]
+    return outcome
 
 
 def switch_to_generation(generation: int, *, timeout: Any) -> None:

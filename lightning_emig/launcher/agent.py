@@ -18,6 +18,15 @@ without closing it and without the exit barrier (the survivors' agents count onl
 generation at theirs). A second SIGTERM, or a grace period that runs out, is torchrun's SIGTERM: workers are
 killed, and for the survivors it is an abrupt failure.
 
+Abrupt failure of a worker (it died, or exited non-zero): with live membership the agent does not restart the
+whole job. It writes ``dead/<node_id>`` (the survivors' workers then need not wait for stale heartbeats), stops its
+other workers (the node counts as failed as a whole), waits until the survivors have published a generation
+without this node (:mod:`lightning_emig.membership.failure`), and then re-enters the rendezvous: the survivors'
+agents see a waiting node and carry their workers into the next round, where this node's fresh workers join live,
+like any new node. If no such generation comes within ``LIGHTNING_EMIG_FAILURE_WAIT_S`` (default 120 s; e.g.
+every worker died), it is torchrun's restart path. Either way it uses one of torchrun's ``--max-restarts``.
+A node killed whole (agent and workers) is noticed by the survivors' workers alone (heartbeats).
+
 Every rendezvous round — the first, a live change, a torchrun restart — is one generation: the agent
 publishes it after ``_rendezvous`` and gives the workers it starts the ``LIGHTNING_EMIG_*`` environment.
 Workers inherit the agent's ``os.environ`` (torchrun copies it into every worker), which is how the
@@ -45,6 +54,7 @@ from lightning_emig.launcher.generation import (
     GenerationError,
     NodeEntry,
     control_prefix,
+    dead_key,
     latest_generation,
     leaving_key,
     publish_generation,
@@ -66,6 +76,9 @@ ENV_GRACE_S = "LIGHTNING_EMIG_GRACE_S"
 
 ENV_PREEMPT_FILE = "LIGHTNING_EMIG_PREEMPT_FILE"
 """A path; when that file appears, the agent acts as on SIGTERM (a simulated preemption notice)."""
+
+ENV_FAILURE_WAIT_S = "LIGHTNING_EMIG_FAILURE_WAIT_S"
+"""Seconds a node whose workers failed waits for the survivors' generation before torchrun's restart path."""
 
 ROUND_GENERATION_KEY = "lightning_emig/generation"
 """Key in the rendezvous round's own store through which rank 0 hands the round its generation number."""
@@ -108,6 +121,9 @@ class MembershipAgent(LocalElasticAgent):
         self._preempt_file = os.environ.get(ENV_PREEMPT_FILE) or None
         self._notice_at: float | None = None  # monotonic time of the preemption notice
         self._leaving_deadline: float | None = None  # monotonic; set once leaving/<node_id> is written
+        settings = getattr(spec.rdzv_handler, "_settings", None)  # DynamicRendezvousHandler (torch 2.13)
+        self.min_nodes = int(getattr(settings, "min_nodes", 1))
+        self.failure_wait_s = float(os.environ.get(ENV_FAILURE_WAIT_S, "120"))
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         # torch's loop sets the group state before calling us: HEALTHY means "nodes are waiting".
@@ -116,8 +132,34 @@ class MembershipAgent(LocalElasticAgent):
             self._continue_workers_in_next_round(worker_group)
             return
         if self._control is not None and worker_group.state != WorkerState.HEALTHY:
+            if self.live_membership and self._survivors_carry_on(worker_group):
+                super()._restart_workers(worker_group)  # stop (done), rendezvous as a joining node, start
+                return
             self._control.set(restart_key(self.generation), self.node_id)
         super()._restart_workers(worker_group)
+
+    def _survivors_carry_on(self, worker_group: WorkerGroup) -> bool:
+        """Our workers failed: tell the survivors, stop the rest, wait for their generation without this node."""
+        assert self._control is not None
+        control = self._control
+        control.set(dead_key(self.node_id), json.dumps({"time": time.time(), "generation": self.generation}))
+        logger.error("[%s] WORKER FAILURE on this node: marked it dead for the survivors; stopping its workers",
+                     self.node_id)
+        self._stop_workers(worker_group)
+        latest = latest_generation(control)
+        if latest < 0 or {n.node_id for n in read_generation(control, latest).nodes} == {self.node_id}:
+            return False  # this node was the whole job: nobody carries on
+        deadline = time.monotonic() + self.failure_wait_s
+        while time.monotonic() < deadline:
+            latest = latest_generation(control)
+            if latest >= 0 and self.node_id not in {n.node_id for n in read_generation(control, latest).nodes}:
+                logger.warning("[%s] the survivors carried on as generation %d; rejoining with fresh workers",
+                               self.node_id, latest)
+                return True
+            time.sleep(0.2)
+        logger.error("[%s] no generation without this node within %.0fs: torchrun's restart path",
+                     self.node_id, self.failure_wait_s)
+        return False
 
     def _peer_restarting(self) -> bool:
         return self._control is not None and self._control.check([restart_key(self.generation)])
@@ -188,7 +230,7 @@ class MembershipAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         os.environ.update(worker_env(
             node_id=self.node_id, control_address=self._control_address, prefix=self._control_prefix,
-            generation=self.generation, join_live=self._generation_live,
+            generation=self.generation, join_live=self._generation_live, min_nodes=self.min_nodes,
         ))
         pids = super()._start_workers(worker_group)
         # torchrun's process context just registered its SIGTERM handler (kill the workers); ours opens the grace

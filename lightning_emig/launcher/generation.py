@@ -15,6 +15,7 @@ describe the generation the worker *started* in and go stale after a live change
 * ``LIGHTNING_EMIG_GENERATION``: the generation the worker starts in (``0`` for the first).
 * ``LIGHTNING_EMIG_JOIN_LIVE``: ``"1"`` when the worker starts into a generation in which other workers
   kept running (they hold the live state; this worker must receive it), else ``"0"``.
+* ``LIGHTNING_EMIG_MIN_NODES``: the MIN of ``--nnodes=MIN:MAX``; below it, survivors wait for joiners.
 
 Keys under the prefix (the control store), for generation ``n``:
 
@@ -34,6 +35,11 @@ Keys under the prefix (the control store), for generation ``n``:
   that got a preemption notice (SIGTERM, or the file named by ``LIGHTNING_EMIG_PREEMPT_FILE`` appearing). The
   workers then agree at a step boundary to hand that node's state to the survivors, its workers exit 0, and the
   survivors' lowest rank publishes the next generation without the node (``kept_workers`` on every entry).
+* ``hb/<node_id>/<local_rank>``: ``str(time.time())``, rewritten every few seconds by every worker (its heartbeat).
+* ``dead/<node_id>``: written by an agent whose workers failed (abrupt failure) before it stops the node's other
+  workers: the survivors need not wait for the heartbeats to go stale.
+* ``failure/<n>/...``: the survivors' agreement after a collective of generation ``n`` failed
+  (see :mod:`lightning_emig.membership.failure`).
 
 One writer: each agent leaves its node entry in the rendezvous round's own store; the round's rank-0 agent
 gathers them, validates them, writes the generation's keys (``latest_generation`` last), and hands the number back to the round's agents
@@ -65,6 +71,7 @@ ENV_CONTROL_STORE = "LIGHTNING_EMIG_CONTROL_STORE"
 ENV_CONTROL_PREFIX = "LIGHTNING_EMIG_CONTROL_PREFIX"
 ENV_GENERATION = "LIGHTNING_EMIG_GENERATION"
 ENV_JOIN_LIVE = "LIGHTNING_EMIG_JOIN_LIVE"
+ENV_MIN_NODES = "LIGHTNING_EMIG_MIN_NODES"
 
 LATEST_GENERATION_KEY = "latest_generation"
 GENERATION_COUNTER_KEY = "generation_counter"
@@ -94,6 +101,15 @@ def restart_key(generation: int) -> str:
 def leaving_key(node_id: str) -> str:
     """Control-store key an agent writes when its node got a preemption notice."""
     return f"leaving/{node_id}"
+
+
+def heartbeat_key(node_id: str, local_rank: int) -> str:
+    return f"hb/{node_id}/{local_rank}"
+
+
+def dead_key(node_id: str) -> str:
+    """Control-store key an agent writes when its node's workers failed."""
+    return f"dead/{node_id}"
 
 
 def store_prefix(generation: int) -> str:
@@ -245,13 +261,18 @@ def current_identity_from_env(env: Mapping[str, str] | None = None) -> WorkerIde
 
 
 def worker_env(
-    *, node_id: str, control_address: str, prefix: str, generation: int, join_live: bool
+    *, node_id: str, control_address: str, prefix: str, generation: int, join_live: bool, min_nodes: int = 1
 ) -> dict[str, str]:
     """The launcher's part of a worker's environment (the inverse of :func:`current_identity_from_env`)."""
     return {
         ENV_NODE_ID: node_id, ENV_CONTROL_STORE: control_address, ENV_CONTROL_PREFIX: prefix,
-        ENV_GENERATION: str(generation), ENV_JOIN_LIVE: "1" if join_live else "0",
+        ENV_GENERATION: str(generation), ENV_JOIN_LIVE: "1" if join_live else "0", ENV_MIN_NODES: str(min_nodes),
     }
+
+
+def min_nodes_from_env(env: Mapping[str, str] | None = None) -> int:
+    env = os.environ if env is None else env
+    return int(env.get(ENV_MIN_NODES, "1"))
 
 
 def control_client_from_env(env: Mapping[str, str] | None = None, *, timeout_s: float = 60.0) -> Store:

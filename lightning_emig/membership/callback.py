@@ -40,6 +40,7 @@ from lightning_emig.membership.handoff import LiveHandoff
 from lightning_emig.membership.preempt import drain_leavers, leaving_nodes
 from lightning_emig.migration.state import training_state
 from lightning_emig.strategy.boundary import _at_step_boundary
+from lightning_emig.training.progress import show_migration
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -81,6 +82,10 @@ class RendezvousCallback(Callback):
         strategy: Any = trainer.strategy
         strategy.finish_join_event(trainer)
         last_step_wall = time.time()
+        # Captured before the step's only collective: a peer dying now leaves the survivors this consistent state.
+        start = time.perf_counter()
+        strategy.last_boundary = stash = capture_handoff(trainer, new_generation=-1, last_step_wall=last_step_wall)
+        stash.seconds["capture"] = time.perf_counter() - start
         start = time.perf_counter()
         latest, leave = self._poll(strategy.generation) if trainer.global_rank == 0 else (-1, 0)
         detect = time.perf_counter() - start
@@ -91,17 +96,19 @@ class RendezvousCallback(Callback):
         self.agree_seconds.append(time.perf_counter() - start)
         if leave and dist.is_initialized():
             # A node announced its preemption: drain it over the old group, then stop like a handoff.
-            handoff = capture_handoff(trainer, new_generation=-1, last_step_wall=last_step_wall)
+            handoff = stash
+            handoff.phase_started = time.perf_counter()
             handoff.seconds.update(detect=detect, agree=self.agree_seconds[-1] - detect)
-            handoff.lap("capture")
+            show_migration(trainer, "migrating (node leaving)")
             strategy.pending_handoff = drain_leavers(trainer, self._client, handoff)
             trainer.should_stop = True
             return
         if latest <= strategy.generation:
             return
-        handoff = capture_handoff(trainer, new_generation=latest, last_step_wall=last_step_wall)
+        handoff = stash
+        handoff.generation, handoff.phase_started = latest, time.perf_counter()
         handoff.seconds.update(detect=detect, agree=self.agree_seconds[-1] - detect)
-        handoff.lap("capture")
+        show_migration(trainer, f"migrating (generation {latest})")
         strategy.pending_handoff = handoff
         trainer.should_stop = True
         if trainer.global_rank == 0:
@@ -116,6 +123,39 @@ class RendezvousCallback(Callback):
         finish = getattr(trainer.strategy, "finish_join_event", None)
         if finish is not None:
             finish(trainer)
+        if self.enabled and dist.is_initialized() and trainer.strategy.pending_handoff is None:
+            self._hand_over_to_late_joiners(trainer)
+
+    def _hand_over_to_late_joiners(self, trainer: pl.Trainer) -> None:
+        """Training is done, but a generation with joiners was published: hand them the final state rather than
+        leave them waiting for a group nobody forms (they receive it, find ``max_steps`` reached, and exit 0)."""
+        strategy: Any = trainer.strategy
+        latest = self._late_generation(strategy.generation) if trainer.global_rank == 0 else -1
+        agreed = torch.tensor([latest], dtype=torch.int64, device=strategy.root_device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        latest = int(agreed.item())
+        if latest <= strategy.generation or strategy.last_boundary is None:
+            return
+        handoff = strategy.last_boundary
+        handoff.generation, handoff.phase_started = latest, time.perf_counter()
+        strategy.pending_handoff = handoff
+        if trainer.global_rank == 0:
+            log.warning("generation %d joined as training ended: handing it the final state", latest)
+
+    def _late_generation(self, current: int) -> int:
+        """Rank 0 at the end of training: a newer generation whose joiners become ready in time, else -1."""
+        if self._client is None:
+            self._client = control_client_from_env(timeout_s=self.store_timeout_s)
+        deadline = time.monotonic() + self.joiner_wait_s
+        while (latest := latest_generation(self._client)) > current:
+            if joiners_ready(self._client, read_generation(self._client, latest)):
+                return latest
+            if time.monotonic() > deadline:
+                log.warning("generation %d: joiners not ready %.0fs after training ended; finishing without them",
+                            latest, self.joiner_wait_s)
+                break
+            time.sleep(0.1)
+        return -1
 
     def _poll(self, current: int) -> tuple[int, int]:
         """Rank 0: (the newest generation whose joiners are all ready, else ``current``; 1 if a node is leaving)."""
@@ -168,7 +208,12 @@ def capture_handoff(trainer: pl.Trainer, *, new_generation: int, last_step_wall:
 class HandoffAwareCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` that saves nothing while live state is being handed to a new generation, nor at the
     step a live handoff resumed from: Lightning restores that state as "at the end of that batch" and would
-    otherwise save it again before the first new step, on the downtime's critical path."""
+    otherwise save it again before the first new step, on the downtime's critical path. Nor does it write
+    ``last.ckpt`` at the end of a fit stopped for a handoff.
+
+    With ``save_last="link"`` ``last.ckpt`` is a link to the newest step checkpoint (no second copy of the state);
+    a real save to ``last.ckpt`` (a fit that saved no step checkpoint) replaces the link instead of writing through
+    it into the step checkpoint it points to."""
 
     @override
     def _should_skip_saving_checkpoint(self, trainer: pl.Trainer) -> bool:
@@ -178,3 +223,18 @@ class HandoffAwareCheckpoint(ModelCheckpoint):
         if getattr(strategy, "live_resume_step", None) == trainer.global_step:
             return True
         return super()._should_skip_saving_checkpoint(trainer)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if getattr(trainer.strategy, "pending_handoff", None) is not None:
+            return  # the state moves live; a last.ckpt would be a full save on every membership change's critical path
+        super().on_train_end(trainer, pl_module)
+
+    @override
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        import os
+
+        # Rank 0 only; the save's first collectives order every other rank's writes after it.
+        if trainer.is_global_zero and os.path.islink(filepath):
+            os.remove(filepath)
+        super()._save_checkpoint(trainer, filepath)

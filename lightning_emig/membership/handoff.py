@@ -69,6 +69,9 @@ class LiveHandoff:
     :mod:`~lightning_emig.membership.preempt`): the event's ``kind``, old layout and world, bytes moved."""
     leaving: bool = False
     """This process's node was preempted: its state was handed over, it leaves the job (no next fit)."""
+    group_ready: bool = False
+    """The process group of ``generation`` is already formed (after an abrupt failure the survivors formed it to
+    rebuild their state)."""
 
     @property
     def optimizer_template(self) -> dict[str, ShardingSpec]:
@@ -119,6 +122,7 @@ class JoinResult:
     last_step_wall: float
     step: int
     kind: str = "join"
+    steps_rolled_back: int | None = None
 
 
 def join_live(
@@ -192,8 +196,9 @@ def join_live(
         seconds={**news.seconds, **seconds}, last_step_wall=news.last_step_wall,
         step=int(news.metadata["global_step"]),
     )
-    if news.prior is not None:  # the state moved before this fit (announced preemption): report that change
+    if news.prior is not None:  # the state moved before this fit (preemption, failure): report that change
         result.kind = news.prior["kind"]
+        result.steps_rolled_back = news.prior.get("steps_rolled_back")
         result.old_layout = HybridLayout(**news.prior["old_layout"])
         result.old_world = int(news.prior["old_world"])
         result.bytes_moved += int(news.prior["bytes_moved"])

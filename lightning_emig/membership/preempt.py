@@ -44,6 +44,8 @@ from lightning_emig.migration.transfer import TransferOptions
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from lightning_emig.layout import HybridLayout
+
 log = logging.getLogger(__name__)
 
 
@@ -57,6 +59,29 @@ def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def publish_survivors(client: Any, info: Any, new_rank_of: dict[int, int], host: str) -> int:
+    """Publish the generation of the processes of ``info`` that have a new rank (all kept), its store on ``host``."""
+    nodes = [
+        NodeEntry(node_id=n.node_id, ranks=tuple(new_rank_of[r] for r in n.ranks), kept_workers=True)
+        for n in info.nodes if all(r in new_rank_of for r in n.ranks)
+    ]
+    return publish_generation(client, nodes=nodes, world_size=len(new_rank_of), master_addr=host,
+                              master_port=_free_port(host), rendezvous_seconds=0.0)
+
+
+def allocate_shards(
+    like: dict[str, StateTensor], layout: HybridLayout, rank: int
+) -> dict[str, StateTensor]:
+    """Plain local buffers for ``rank``'s shards of every tensor of ``like`` under ``layout`` (no mesh needed)."""
+    out = {}
+    for key, tensor in like.items():
+        holding = tensor.spec.on(layout).holding_of_rank(rank)
+        shape = holding.local_shape if holding is not None else (0,)
+        out[key] = StateTensor(key, tensor.spec, torch.empty(shape, dtype=tensor.spec.dtype,
+                                                             device=tensor.local.device))
+    return out
 
 
 def drain_leavers(trainer: pl.Trainer, client: Any, handoff: LiveHandoff) -> LiveHandoff:
@@ -93,13 +118,8 @@ def drain_leavers(trainer: pl.Trainer, client: Any, handoff: LiveHandoff) -> Liv
     box = [None]
     if rank == master:
         host = info.master_addr if master == 0 else node_of[master].rsplit("_", 1)[0]
-        nodes = [
-            NodeEntry(node_id=n.node_id, ranks=tuple(new_rank_of[r] for r in n.ranks), kept_workers=True)
-            for n in info.nodes if n.node_id not in leaving
-        ]
         own_client = client if client is not None else control_client_from_env()
-        box[0] = publish_generation(own_client, nodes=nodes, world_size=new_world, master_addr=host,
-                                    master_port=_free_port(host), rendezvous_seconds=0.0)
+        box[0] = publish_survivors(own_client, info, new_rank_of, host)
     dist.broadcast_object_list(box, src=master)
     new_generation = int(box[0])
     agree = time.perf_counter() - started
@@ -108,14 +128,7 @@ def drain_leavers(trainer: pl.Trainer, client: Any, handoff: LiveHandoff) -> Liv
     started = time.perf_counter()
     old_state = handoff.state
     assert old_state is not None
-    new_state: dict[str, StateTensor] | None = None
-    if my_new_rank is not None:
-        new_state = {}
-        for key, tensor in old_state.items():
-            holding = tensor.spec.on(new_layout).holding_of_rank(my_new_rank)
-            shape = holding.local_shape if holding is not None else (0,)
-            new_state[key] = StateTensor(key, tensor.spec, torch.empty(shape, dtype=tensor.spec.dtype,
-                                                                        device=tensor.local.device))
+    new_state = allocate_shards(old_state, new_layout, my_new_rank) if my_new_rank is not None else None
     identity = IdentityMap(
         tuple(ProcessInfo(pid=r, node=node_of[r], old_rank=r, new_rank=new_rank_of.get(r)) for r in range(old_world)),
         old_world, new_world,

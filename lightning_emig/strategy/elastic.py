@@ -19,7 +19,6 @@ What the strategy owns, and nothing more (elasticity stays inside this boundary,
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -35,9 +34,11 @@ from lightning_emig.data.batching import BatchPlan
 from lightning_emig.data.loader import MicroBatchLoader
 from lightning_emig.layout import HybridLayout, LayoutMesh, build_mesh
 from lightning_emig.migration.transfer import DEFAULT_BUCKET_BYTES
+from lightning_emig.strategy.async_checkpoint import AsyncCheckpointWriter
 from lightning_emig.strategy.boundary import StepBoundaryHook, _at_step_boundary, restart_training_iterator
 from lightning_emig.strategy.reconfigure import ReconfigureEvent, reconfigure_live
 from lightning_emig.strategy.rng import gather_rng_states, restore_rng_for_rank
+from lightning_emig.training.events import publish_event
 from lightning_emig.training.resume import restart_reason
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from lightning.fabric.utilities.types import _PATH
     from torch.optim import Optimizer
 
+    from lightning_emig.membership.failure import FailureSettings, Rollback
     from lightning_emig.membership.handoff import JoinResult, LiveHandoff
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,12 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         checksum: Verify every migrated bucket with a CRC32 (costs a pass over the bytes on both ends).
         handoff: Live state carried over from the previous generation's ``Trainer.fit`` in this process
             (``fit(ckpt_path="live")`` then moves it into the new world).
+        failure: Heartbeat and failure-detection settings (under ``lightning-emig-run``).
+        rollback: This fit restores a checkpoint after an abrupt failure left state without a surviving copy
+            (its process group is already formed); the fit records the ``failure`` event.
+        async_checkpoints: Checkpoints saved while training runs (the periodic ones) are written in the background
+            (:class:`~lightning_emig.strategy.async_checkpoint.AsyncCheckpointWriter`): training waits only for the
+            copy to CPU memory. Saves outside training stay synchronous.
     """
 
     def __init__(
@@ -81,6 +89,9 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         checksum: bool = False,
         handoff: LiveHandoff | None = None,
+        failure: FailureSettings | None = None,
+        rollback: Rollback | None = None,
+        async_checkpoints: bool = False,
     ) -> None:
         super().__init__(
             data_parallel_size=1,
@@ -107,13 +118,24 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         self._incoming_handoff = handoff
         self.pending_handoff: LiveHandoff | None = None
         """Set by ``RendezvousCallback`` when this fit stops to hand its state to a newer generation."""
+        from lightning_emig.membership.failure import FailureSettings  # the membership package imports us
+
+        self.failure_settings = failure or FailureSettings()
+        self.last_boundary: LiveHandoff | None = None
+        """This process's live state and resume metadata at the last optimizer-step boundary (or right after a live
+        join): what survives an abrupt failure of a peer (see :mod:`lightning_emig.membership.failure`)."""
+        self._rollback = rollback
         self.generation = handoff.generation if handoff is not None else _start_generation()
+        if rollback is not None:
+            self.generation = rollback.generation
         """The launcher generation this fit runs in (0 outside ``lightning-emig-run``)."""
         self._join: tuple[JoinResult, float] | None = None
         self.live_resume_step: int | None = None
         """The step a live handoff resumed at (its state was never written; no checkpoint is due for it)."""
         self.resumed_from: ResumedCheckpoint | None = None
         """Set when this fit resumed from a checkpoint file, until its first step's time is recorded."""
+        self.async_checkpoints = async_checkpoints
+        self._checkpoint_writer = AsyncCheckpointWriter(timeout)
 
     # ------------------------------------------------------------------ layout
     @property
@@ -146,6 +168,12 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        from lightning_emig.membership.group import under_launcher
+
+        if under_launcher():
+            from lightning_emig.membership.heartbeat import start_heartbeat
+
+            start_heartbeat(self.failure_settings.heartbeat_interval_s)
         self._form_generation_group()
         # Skip ModelParallelStrategy's 2-D mesh: ours is built from the layout.
         self._setup_distributed()
@@ -154,10 +182,10 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
 
             layout = layout_for_new_world(self._requested_layout, self.world_size)
             self.migrating = True  # configure_model must not initialise: the join overwrites every tensor
-        elif restart_reason() is not None:
+        elif restart_reason() is not None or self._rollback is not None:
             from lightning_emig.membership.handoff import layout_for_new_world
 
-            # Restarted into a world of another size: the requested layout may not divide it.
+            # Restarted (or rolled back) into a world of another size: the requested layout may not divide it.
             layout = layout_for_new_world(self._requested_layout, self.world_size)
         else:
             layout = self._requested_layout.resolve(self.world_size)
@@ -165,6 +193,8 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size, dp_degree=layout.dp
         )
         self._install_mesh(build_mesh(layout, self.root_device.type), plan)
+        if self._rollback is not None and self._rollback.checkpoint is None:
+            self._note_rollback(step=0, load_seconds=0.0)  # no checkpoint: the fit starts over from step 0
 
     def _form_generation_group(self) -> None:
         """Under lightning-emig-run, after a live change, torchrun's env:// rendezvous no longer applies."""
@@ -227,6 +257,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         layout, self._pending_layout = self._pending_layout, None
         if layout is None:
             return
+        self.last_boundary = None  # its tensors are released by the change; the next boundary captures anew
         event = reconfigure_live(self, trainer, layout)
         if event is not None:
             self._record_event(trainer, event)
@@ -235,17 +266,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         self.events.append(event)
         if self.global_rank != 0:
             return
-        record = event.as_dict()
-        log.warning(
-            "reconfigured at step %d: %s -> %s, %.1f MB moved in %.3fs (%s)",
-            event.step, HybridLayout(**event.old_layout).describe(), HybridLayout(**event.new_layout).describe(),
-            event.bytes_moved / 1e6, record["total_seconds"],
-            ", ".join(f"{k} {v:.3f}s" for k, v in event.seconds.items()),
-        )
-        path = Path(trainer.default_root_dir) / "events.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        publish_event(trainer, event)
 
     def _restart_data(self, trainer: pl.Trainer) -> None:
         """After a layout change: new accumulation, new data-parallel coordinate, fresh data iterator."""
@@ -309,6 +330,14 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             "world_size": self.world_size,
             "rng_states": gather_rng_states(),
         }
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if self.async_checkpoints and trainer is not None and trainer.training and not self._checkpoint_writer.closed:
+            if storage_options is not None:
+                raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported")
+            # The path from rank 0, as Lightning does, so that every rank writes into the same directory.
+            self._checkpoint_writer.save(checkpoint, self.broadcast(filepath))
+            return
+        self._checkpoint_writer.wait()  # one save at a time: the one in flight finishes first
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
@@ -318,8 +347,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         if checkpoint_path == LIVE_CHECKPOINT:
             return self._load_live()
         load_started = time.time()
-        # RNG states are pickled Python objects (per rank), so the metadata cannot be weights_only.
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=False)
+        checkpoint = self._load_checkpoint_contents(checkpoint_path)
         saved = checkpoint.get(CHECKPOINT_KEY, {})
         old_layout = HybridLayout(**saved["layout"]) if saved else self.layout
         old_world = int(saved.get("world_size", self.world_size))
@@ -340,7 +368,39 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         restore_rng_for_rank(
             saved.get("rng_states"), self.global_rank, seed=self.seed, step=checkpoint.get("global_step", 0)
         )
+        if self._rollback is not None:
+            self._note_rollback(step=step, load_seconds=self.resumed_from.load_seconds)
         return checkpoint
+
+    def _load_checkpoint_contents(self, checkpoint_path: _PATH) -> dict[str, Any]:
+        from lightning_emig.strategy.sharded_load import holds_dtensors, load_sharded_into_plain_model
+
+        path = Path(self.broadcast(checkpoint_path)).resolve()  # every rank reads the same checkpoint
+        assert self.lightning_module is not None
+        if path.is_dir() and not holds_dtensors(self.lightning_module):  # one process: no FSDP2, no TP
+            return load_sharded_into_plain_model(path, self.lightning_module, self.optimizers,
+                                                 strict=self.lightning_module.strict_loading)
+        # RNG states are pickled Python objects (per rank), so the metadata cannot be weights_only.
+        return super().load_checkpoint(path, weights_only=False)
+
+    def _note_rollback(self, *, step: int, load_seconds: float) -> None:
+        """The ``failure`` event of a rollback, recorded once the first step on the new world is done."""
+        from lightning_emig.membership.handoff import JoinResult
+
+        rollback = self._rollback
+        assert rollback is not None
+        self._join = (JoinResult(
+            old_layout=rollback.old_layout, old_world=rollback.old_world, bytes_moved=0, bytes_copied_locally=0,
+            seconds={**rollback.seconds, "load": load_seconds}, last_step_wall=rollback.last_step_wall, step=step,
+            kind="failure", steps_rolled_back=max(0, rollback.from_step - step),
+        ), time.perf_counter())
+        self.live_resume_step = step
+        if self.global_rank == 0:
+            log.error(
+                "ROLLED BACK to step %d after the failure of node(s) %s: %d step(s) lost (%s); world %d -> %d, %s",
+                step, rollback.dead_nodes, max(0, rollback.from_step - step), rollback.reason, rollback.old_world,
+                self.world_size, self.layout.describe(),
+            )
 
     def _load_live(self) -> dict[str, Any]:
         from lightning_emig.membership.handoff import join_live
@@ -361,6 +421,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             self.migrating = False
         self._join = (result, time.perf_counter())
         self.live_resume_step = result.step
+        self._stash_after_join(module, metadata, result.last_step_wall)
         if self.global_rank == 0:
             log.warning(
                 "joined generation %d: world %d -> %d, %s -> %s, %.1f MB moved, resuming at step %d",
@@ -368,6 +429,19 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
                 self.layout.describe(), result.bytes_moved / 1e6, result.step,
             )
         return metadata
+
+    def _stash_after_join(self, module: Any, metadata: dict[str, Any], last_step_wall: float) -> None:
+        """A peer failing before this fit's first step boundary finds the joined state here."""
+        import copy
+
+        from lightning_emig.membership.handoff import LiveHandoff
+        from lightning_emig.migration.state import training_state
+
+        self.last_boundary = LiveHandoff(
+            generation=-1, old_generation=self.generation, old_layout=self.layout, old_world=self.world_size,
+            old_rank=self.global_rank, state=training_state(module, self.optimizers[0]),
+            metadata=copy.deepcopy(metadata), last_step_wall=last_step_wall,
+        )
 
     def finish_join_event(self, trainer: pl.Trainer) -> None:
         """Record the join once the first step on the new world has finished (or the fit ends without one)."""
@@ -380,11 +454,14 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             kind=result.kind, step=result.step, old_layout=result.old_layout.as_dict(), new_layout=self.layout.as_dict(),
             old_world=result.old_world, new_world=self.world_size, bytes_moved=result.bytes_moved,
             bytes_copied_locally=result.bytes_copied_locally, seconds=seconds, generation=self.generation,
-            downtime_seconds=time.time() - result.last_step_wall,
+            downtime_seconds=time.time() - result.last_step_wall, steps_rolled_back=result.steps_rolled_back,
         ))
 
     @override
     def teardown(self) -> None:
+        # Never lose the last periodic checkpoint; after a failure (a peer may be dead) do not wait for it.
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        self._checkpoint_writer.close(wait=not (trainer is not None and trainer.interrupted))
         self._loaders.clear()
         super().teardown()
 

@@ -22,6 +22,7 @@ from lightning_emig.data.sampler import GlobalOffsetSampler
 from lightning_emig.data.stream import MicroBatchStream
 from lightning_emig.layout import HybridLayout
 from lightning_emig.membership import HandoffAwareCheckpoint, LiveHandoff, RendezvousCallback
+from lightning_emig.membership.failure import FailureSettings, Rollback
 from lightning_emig.strategy import ElasticMigrationStrategy
 from lightning_emig.strategy.schedule import LayoutSchedule
 from lightning_emig.training.module import LlamaLightningModule
@@ -56,7 +57,9 @@ def build_loader(cfg: TrainConfig) -> MicroBatchLoader:
     return MicroBatchLoader(MicroBatchStream(dataset, sampler, cfg.trainer.micro_batch_size))
 
 
-def build_strategy(cfg: TrainConfig, handoff: LiveHandoff | None = None) -> ElasticMigrationStrategy:
+def build_strategy(
+    cfg: TrainConfig, handoff: LiveHandoff | None = None, rollback: Rollback | None = None
+) -> ElasticMigrationStrategy:
     return ElasticMigrationStrategy(
         layout=HybridLayout(**_section_dict(cfg.layout)),
         global_batch_size=cfg.trainer.global_batch_size,
@@ -66,6 +69,17 @@ def build_strategy(cfg: TrainConfig, handoff: LiveHandoff | None = None) -> Elas
         bucket_bytes=cfg.elastic.bucket_mb << 20,
         checksum=cfg.elastic.checksum,
         handoff=handoff,
+        failure=failure_settings(cfg),
+        rollback=rollback,
+        async_checkpoints=cfg.trainer.checkpoint_async,
+    )
+
+
+def failure_settings(cfg: TrainConfig) -> FailureSettings:
+    elastic = cfg.elastic
+    return FailureSettings(
+        heartbeat_interval_s=elastic.heartbeat_interval_s, heartbeat_timeout_s=elastic.heartbeat_timeout_s,
+        failure_timeout_s=elastic.failure_timeout_s, below_min_timeout_s=elastic.below_min_timeout_s,
     )
 
 
@@ -96,7 +110,7 @@ def build_loggers(cfg: TrainConfig, run_dir: Path) -> list[Logger]:
 
 
 def build_run(
-    cfg: TrainConfig, run_dir: Path, *, handoff: LiveHandoff | None = None,
+    cfg: TrainConfig, run_dir: Path, *, handoff: LiveHandoff | None = None, rollback: Rollback | None = None,
     module: LlamaLightningModule | None = None,
 ) -> RunParts:
     """Build a run; with ``handoff`` (and the previous fit's ``module``) the next fit of a live membership change.
@@ -106,7 +120,7 @@ def build_run(
     """
     _check_sequence_fits_model(cfg)
     devices, num_nodes = _process_topology(cfg)
-    strategy = build_strategy(cfg, handoff)
+    strategy = build_strategy(cfg, handoff, rollback)
     if module is None:
         module = LlamaLightningModule(
             model_size=cfg.model.size,
@@ -121,7 +135,7 @@ def build_run(
         auto_insert_metric_name=False,
         every_n_train_steps=every if every > 0 else None,
         save_top_k=-1,
-        save_last=True,
+        save_last="link",  # last.ckpt links the newest step checkpoint instead of writing the same state twice
     )
     trainer = pl.Trainer(
         accelerator=cfg.trainer.accelerator,
@@ -148,6 +162,10 @@ def _callbacks(cfg: TrainConfig, checkpoint: HandoffAwareCheckpoint, run_dir: Pa
     schedule = build_schedule(cfg)
     if schedule is not None:
         callbacks.append(schedule)
+    if cfg.data.ledger:
+        from lightning_emig.training.ledger import DataLedger
+
+        callbacks.append(DataLedger(run_dir))
     return callbacks
 
 

@@ -1,0 +1,68 @@
+"""Below the minimum: fewer nodes than ``--nnodes=MIN:MAX`` asks for, after a failure or a preemption.
+
+torchrun would stop the job (a rendezvous needs MIN nodes). We keep the survivors and their state in memory instead:
+before training on in the smaller generation, they wait — up to ``elastic.below_min_timeout_s`` — for a newer
+generation whose joiners are ready (a replacement node's agent, or a failed node's agent rejoining, takes the
+rendezvous back to MIN), then hand their state into it like any live join. If nobody comes in time they train on
+with the nodes they have, saying so: nothing is lost either way.
+
+Every survivor calls :func:`wait_for_enough_nodes` in the survivors' process group; global rank 0 polls the control
+store and broadcasts what it saw, so every rank takes the same decision at the same moment.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch.distributed as dist
+
+from lightning_emig.launcher.generation import (
+    control_client_from_env,
+    latest_generation,
+    min_nodes_from_env,
+    read_generation,
+)
+from lightning_emig.membership.group import joiners_ready
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5
+
+
+def wait_for_enough_nodes(generation: int, timeout_s: float) -> int | None:
+    """In ``generation``'s (formed) process group: a newer generation with enough nodes to join, or None."""
+    client = control_client_from_env()
+    min_nodes = min_nodes_from_env()
+    nodes = len(read_generation(client, generation).nodes)
+    if nodes >= min_nodes:
+        return None
+    rank = dist.get_rank()
+    if rank == 0:
+        log.warning("BELOW MIN: %d node(s) left, --nnodes MIN is %d: state kept in memory, waiting up to %.0fs for "
+                    "joining nodes", nodes, min_nodes, timeout_s)
+    started = time.monotonic()
+    while True:
+        box: list[object] = [None]
+        if rank == 0:
+            box[0] = _ready_newer(client, generation)
+            if box[0] is None and time.monotonic() - started > timeout_s:
+                box[0] = "timeout"
+        dist.broadcast_object_list(box, src=0)
+        if box[0] == "timeout":
+            if rank == 0:
+                log.warning("BELOW MIN: no node joined within %.0fs; training on with %d node(s)", timeout_s, nodes)
+            return None
+        if box[0] is not None:
+            if rank == 0:
+                log.warning("generation %s has enough nodes after %.1fs below MIN: joining it",
+                            box[0], time.monotonic() - started)
+            return int(box[0])  # type: ignore[call-overload]
+        time.sleep(POLL_S)
+
+
+def _ready_newer(client: dist.Store, generation: int) -> int | None:
+    latest = latest_generation(client)
+    if latest <= generation:
+        return None
+    return latest if joiners_ready(client, read_generation(client, latest)) else None

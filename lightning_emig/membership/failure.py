@@ -1,0 +1,289 @@
+"""Abrupt failure: a peer died without notice; the survivors carry on in this process, without a restart.
+
+A collective of generation ``n`` fails on every survivor (gloo raises when the dead peer's sockets close, or at the
+process-group timeout). ``Trainer.fit`` re-raises; ``train.py`` hands the error to :func:`recover_from_failure`,
+which every survivor runs:
+
+1. **detect**: leave the broken group, report in (``failure/<n>/report/<rank>``: node, step of the last consistent
+   state), and wait until every rank of generation ``n`` has either reported or is dead — its agent marked the node
+   (``dead/<node_id>``) or its heartbeat (:mod:`~lightning_emig.membership.heartbeat`) is older than
+   ``heartbeat_timeout_s``. A node with one dead worker is dead as a whole (its agent stops the others).
+2. **agree**: the first survivor to see everyone accounted for writes the decision (``compare_set``, so there is
+   exactly one): the surviving ranks. The lowest survivor publishes generation ``n+1`` (survivors only, all kept)
+   and every survivor forms its process group.
+3. **rebuild**: if every survivor's state is the same step's (the last optimizer-step boundary, captured by
+   :class:`~lightning_emig.membership.callback.RendezvousCallback`, with the optimizer's own step count agreeing),
+   :func:`~lightning_emig.migration.engine.migrate` lays it out for the new world, taking what the dead held from
+   its replicas. The result is a :class:`LiveHandoff` (``prior.kind == "failure"``, no step lost).
+4. **rollback** otherwise — a shard with no surviving copy (``StateLostError``), survivors at different steps, or a
+   survivor without a consistent state (it failed inside a migration) — returns a :class:`Rollback`: the caller
+   restores the newest complete checkpoint resharded for the new world (step 0 if there is none) and says loudly
+   how many steps were lost and why. Training never continues on partially restored state.
+
+A survivor excluded by the decision (it reported too late) raises :class:`ExcludedFromRecovery` and exits non-zero;
+its agent then treats its node as failed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from lightning_emig.launcher.generation import (
+    GenerationInfo,
+    control_client_from_env,
+    dead_key,
+    read_generation,
+)
+from lightning_emig.membership.handoff import LiveHandoff, layout_for_new_world
+from lightning_emig.membership.heartbeat import heartbeat_age
+from lightning_emig.migration.engine import MigrationFailedError, migrate
+from lightning_emig.migration.planner import IdentityMap, ProcessInfo, StateLostError
+from lightning_emig.migration.transfer import TransferOptions
+
+if TYPE_CHECKING:
+    from lightning_emig.layout import HybridLayout
+    from lightning_emig.strategy.elastic import ElasticMigrationStrategy
+
+log = logging.getLogger(__name__)
+
+#: Substrings of the errors gloo and NCCL raise when a peer is gone or a collective timed out.
+PEER_FAILURE_MARKERS = ("gloo", "Connection reset", "Connection closed", "Broken pipe", "timed out", "Timed out",
+                        "NCCL", "ProcessGroup")
+
+
+class ExcludedFromRecovery(RuntimeError):
+    """This process was not among the survivors the others agreed on (it reported too late)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FailureSettings:
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 10.0
+    failure_timeout_s: float = 120.0
+    below_min_timeout_s: float = 300.0
+
+
+@dataclass(slots=True, kw_only=True)
+class Rollback:
+    """Survivors must restore a checkpoint: what is known about the failure, for the event and the log."""
+
+    generation: int
+    """The survivors' generation (its process group is already formed)."""
+    from_step: int
+    """The furthest step any survivor had reached."""
+    reason: str
+    dead_nodes: list[str]
+    old_layout: HybridLayout
+    old_world: int
+    last_step_wall: float
+    seconds: dict[str, float] = field(default_factory=dict)
+    checkpoint: str | None = None
+    """Filled in by the caller: the checkpoint to restore (None = start over from step 0)."""
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Did a collective fail because a peer is gone (as opposed to a bug in this process)?"""
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in PEER_FAILURE_MARKERS)
+
+
+def report_key(generation: int, rank: int) -> str:
+    return f"failure/{generation}/report/{rank}"
+
+
+def decision_key(generation: int) -> str:
+    return f"failure/{generation}/decision"
+
+
+def new_generation_key(generation: int) -> str:
+    return f"failure/{generation}/new_generation"
+
+
+def recover_from_failure(
+    strategy: ElasticMigrationStrategy, error: BaseException, node_id: str, local_rank: int
+) -> LiveHandoff | Rollback:
+    """Every survivor: steps 1-4 of the module docstring. Returns the handoff into the survivors' generation, or
+    what a rollback needs; the survivors' process group is formed either way."""
+    settings: FailureSettings = strategy.failure_settings
+    stash: LiveHandoff | None = strategy.last_boundary
+    generation, rank, old_world, old_layout = (strategy.generation, strategy.global_rank, strategy.world_size,
+                                               strategy.layout)
+    backend = _backend(strategy)
+    started = time.perf_counter()
+    log.error("COLLECTIVE FAILURE in generation %d on rank %d: %s", generation, rank, str(error).splitlines()[0][:200])
+    if dist.is_initialized():
+        dist.destroy_process_group()  # the others blocked on us learn at once; gloo has no abort
+    client = control_client_from_env()
+    info = read_generation(client, generation)
+    step, consistent = _consistent_step(stash)
+    client.set(report_key(generation, rank), json.dumps(
+        {"node_id": node_id, "local_rank": local_rank, "step": step, "consistent": consistent}))
+    decision = _decide_survivors(client, info, settings)
+    detect = time.perf_counter() - started
+
+    started = time.perf_counter()
+    survivors: list[int] = decision["survivors"]
+    if rank not in survivors:
+        raise ExcludedFromRecovery(
+            f"rank {rank} of generation {generation} was left out by the survivors ({survivors}); exiting"
+        ) from error
+    reports = {r: json.loads(client.get(report_key(generation, r))) for r in survivors}
+    new_rank_of = {old: new for new, old in enumerate(survivors)}
+    new_generation = _publish_or_wait(client, info, generation, new_rank_of, rank == survivors[0], settings)
+    new_info = read_generation(client, new_generation)
+    _form_group(new_info, node_id, local_rank, backend, strategy.timeout)
+    agree = time.perf_counter() - started
+
+    new_world, my_new_rank = len(survivors), new_rank_of[rank]
+    new_layout = layout_for_new_world(strategy._requested_layout, new_world)  # noqa: SLF001 - the setup rule
+    steps = {reports[r]["step"] for r in survivors}
+    furthest = max(steps)
+    seconds = {"detect": detect, "agree": agree}
+    last_wall = stash.last_step_wall if stash is not None else time.time()
+    rollback = Rollback(generation=new_generation, from_step=furthest, reason="", dead_nodes=decision["dead_nodes"],
+                        old_layout=old_layout, old_world=old_world, last_step_wall=last_wall, seconds=seconds)
+    if not all(reports[r]["consistent"] for r in survivors) or len(steps) != 1:
+        rollback.reason = (f"survivors hold no common consistent state (steps {sorted(steps)}; a failure inside a "
+                           "step or a migration)")
+        return _announce_rollback(rollback, my_new_rank)
+    assert stash is not None and stash.state is not None
+    try:
+        handoff = _rebuild_from_replicas(strategy, stash, old_layout, old_world, new_layout, survivors, rank)
+    except (StateLostError, MigrationFailedError) as exc:
+        stash.state = None
+        rollback.reason = f"state held only by the dead node(s) has no surviving copy ({str(exc).splitlines()[0]})"
+        return _announce_rollback(rollback, my_new_rank)
+    handoff.seconds = {**stash.seconds, **seconds, **handoff.seconds}
+    handoff.generation = new_generation
+    handoff.group_ready = True
+    assert handoff.prior is not None
+    handoff.prior.update(kind="failure", dead_nodes=decision["dead_nodes"], steps_rolled_back=0)
+    if my_new_rank == 0:
+        log.error(
+            "ABRUPT FAILURE of node(s) %s at step %d: world %d -> %d, %s -> %s; every lost shard rebuilt from "
+            "replicas (%.1f MB moved), no step lost; generation %d", decision["dead_nodes"], furthest, old_world,
+            new_world, old_layout.describe(), new_layout.describe(), handoff.prior["bytes_moved"] / 1e6,
+            new_generation,
+        )
+    return handoff
+
+
+def _consistent_step(stash: LiveHandoff | None) -> tuple[int, bool]:
+    """(step of the state captured at the last boundary, whether the optimizer's step count agrees with it)."""
+    if stash is None or stash.state is None:
+        return -1, False
+    step = int(stash.metadata["global_step"])
+    counts = [t.local for key, t in stash.state.items() if key.startswith("optim/") and key.endswith("/step")]
+    applied = int(counts[0].item()) if counts else 0
+    return step, applied == step
+
+
+def _decide_survivors(client: Any, info: GenerationInfo, settings: FailureSettings) -> dict[str, Any]:
+    """Wait until every rank of ``info`` reported or is dead; the first to see it writes the one decision."""
+    key = decision_key(info.generation)
+    deadline = time.monotonic() + settings.failure_timeout_s
+    members = [(node.node_id, local_rank, rank) for node in info.nodes for local_rank, rank in enumerate(node.ranks)]
+    while not client.check([key]):
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"could not tell the survivors of generation {info.generation} from the dead within "
+                f"{settings.failure_timeout_s:.0f}s (elastic.failure_timeout_s); giving up"
+            )
+        reported = {rank for _, _, rank in members if client.check([report_key(info.generation, rank)])}
+        marked = {node for node, _, _ in members if client.check([dead_key(node)])}
+        dead_nodes = {node for node, local_rank, rank in members if rank not in reported and (
+            node in marked or heartbeat_age(client, node, local_rank) > settings.heartbeat_timeout_s)}
+        accounted = all(rank in reported or node in dead_nodes for node, _, rank in members)
+        if accounted:
+            survivors = sorted(rank for node, _, rank in members if rank in reported and node not in dead_nodes)
+            proposal = json.dumps({"survivors": survivors, "dead_nodes": sorted(dead_nodes)})
+            client.compare_set(key, "", proposal)  # the first proposal wins; later ones change nothing
+            break
+        time.sleep(0.1)
+    return json.loads(client.get(key))
+
+
+def _publish_or_wait(
+    client: Any, info: GenerationInfo, generation: int, new_rank_of: dict[int, int], publisher: bool,
+    settings: FailureSettings,
+) -> int:
+    """The lowest survivor publishes the survivors' generation (store on its host); the others read its number."""
+    from lightning_emig.membership.preempt import publish_survivors
+
+    key = new_generation_key(generation)
+    if publisher:
+        node = next(n for n in info.nodes if any(r in new_rank_of and new_rank_of[r] == 0 for r in n.ranks))
+        host = node.node_id.rsplit("_", 1)[0]
+        client.set(key, str(publish_survivors(client, info, new_rank_of, host)))
+    deadline = time.monotonic() + settings.failure_timeout_s
+    while not client.check([key]):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the survivors' generation after generation {generation} was never published")
+        time.sleep(0.05)
+    return int(client.get(key))
+
+
+def _form_group(info: GenerationInfo, node_id: str, local_rank: int, backend: str, timeout: Any) -> None:
+    from lightning_emig.membership.group import apply_generation_env, form_generation_group
+
+    rank = apply_generation_env(info, node_id, local_rank)
+    form_generation_group(info, rank, backend, timeout)
+
+
+def _backend(strategy: ElasticMigrationStrategy) -> str:
+    if dist.is_initialized():
+        return str(dist.get_backend())
+    return strategy._process_group_backend or ("nccl" if strategy.root_device.type == "cuda" else "gloo")  # noqa: SLF001
+
+
+def _rebuild_from_replicas(
+    strategy: ElasticMigrationStrategy, stash: LiveHandoff, old_layout: HybridLayout, old_world: int,
+    new_layout: HybridLayout, survivors: list[int], rank: int,
+) -> LiveHandoff:
+    """Lay the survivors' state out for the new world; what the dead held comes from its replicas."""
+    from lightning_emig.data.batching import BatchPlan
+    from lightning_emig.membership.preempt import _rescale_batch_progress, allocate_shards
+
+    started = time.perf_counter()
+    assert stash.state is not None
+    new_rank = survivors.index(rank)
+    new_state = allocate_shards(stash.state, new_layout, new_rank)
+    identity = IdentityMap(
+        tuple(ProcessInfo(pid=new, node=None, old_rank=old, new_rank=new) for new, old in enumerate(survivors)),
+        old_world, len(survivors),
+    )
+    allocate = time.perf_counter() - started
+    report = migrate(
+        old_state=stash.state, new_state=new_state, old_layout=old_layout, new_layout=new_layout, identity=identity,
+        pid=new_rank, transfer=TransferOptions(bucket_bytes=strategy.bucket_bytes, checksum=strategy.checksum),
+    )
+    gathered: list[Any] = [None] * len(survivors)
+    dist.all_gather_object(gathered, (report.stats.bytes_received, report.stats.bytes_copied))
+    trainer = strategy.lightning_module.trainer if strategy.lightning_module is not None else None
+    old_accumulation = trainer.accumulate_grad_batches if trainer is not None else strategy.batch_plan.grad_accumulation
+    new_plan = BatchPlan(global_batch_size=strategy.global_batch_size, micro_batch_size=strategy.micro_batch_size,
+                         dp_degree=new_layout.dp)
+    _rescale_batch_progress(stash.metadata, old_accumulation, new_plan.grad_accumulation)
+    return LiveHandoff(
+        generation=-1, old_generation=strategy.generation, old_layout=new_layout, old_world=len(survivors),
+        old_rank=new_rank, state=new_state, metadata=stash.metadata, last_step_wall=stash.last_step_wall,
+        seconds={"allocate": allocate, "transfer": sum(report.seconds.values())},
+        prior={"kind": "failure", "old_layout": old_layout.as_dict(), "old_world": old_world,
+               "bytes_moved": sum(g[0] for g in gathered), "bytes_copied_locally": sum(g[1] for g in gathered)},
+    )
+
+
+def _announce_rollback(rollback: Rollback, new_rank: int) -> Rollback:
+    if new_rank == 0:
+        log.error(
+            "ABRUPT FAILURE of node(s) %s at step %d: %s. ROLLING BACK to the last checkpoint; the steps since it are "
+            "lost and will be recomputed", rollback.dead_nodes, rollback.from_step, rollback.reason,
+        )
+    return rollback
