@@ -181,30 +181,44 @@ def test_control_store_is_the_tcp_store_under_the_round_prefixes() -> None:
 
 
 @pytest.mark.parametrize(
-    ("state", "peer_restarting", "live", "expected"),
+    ("state", "peer_restarting", "live", "survivors", "expected"),
     [
-        ("HEALTHY", False, True, "live"),  # nodes wait, nobody failed: carry the workers over
-        ("HEALTHY", True, True, "restart"),  # a peer restarts after a failure: torchrun's path
-        ("HEALTHY", False, False, "restart"),  # LIGHTNING_EMIG_LIVE_MEMBERSHIP=0
-        ("FAILED", False, True, "restart+mark"),
-        ("UNHEALTHY", False, True, "restart+mark"),
+        ("HEALTHY", False, True, None, "live"),  # nodes wait, nobody failed: carry the workers over
+        ("HEALTHY", True, True, None, "restart"),  # a peer restarts after a failure: torchrun's path
+        ("HEALTHY", False, False, None, "restart"),  # LIGHTNING_EMIG_LIVE_MEMBERSHIP=0
+        # Our workers failed; the survivors published a generation without us: rejoin as a new node.
+        ("FAILED", False, True, ["b_2"], "stop+restart"),
+        ("UNHEALTHY", False, True, ["b_2"], "stop+restart"),
+        # ... nobody carries on (we were the whole job, or nothing was published): torchrun's restart path.
+        ("FAILED", False, True, ["a_1"], "stop+restart+mark+dead"),
+        ("FAILED", False, True, None, "stop+restart+mark+dead"),
+        ("FAILED", False, False, None, "restart+mark"),  # LIGHTNING_EMIG_LIVE_MEMBERSHIP=0
     ],
 )
 def test_agent_carries_workers_over_only_for_joins(
-    monkeypatch: pytest.MonkeyPatch, state: str, peer_restarting: bool, live: bool, expected: str
+    monkeypatch: pytest.MonkeyPatch, state: str, peer_restarting: bool, live: bool, survivors: list[str] | None,
+    expected: str,
 ) -> None:
+    from lightning_emig.launcher.generation import NodeEntry, dead_key, publish_generation
+
     calls: list[str] = []
     monkeypatch.setattr(LocalElasticAgent, "_restart_workers", lambda self, wg: calls.append("restart"))
+    monkeypatch.setattr(MembershipAgent, "_stop_workers", lambda self, wg, *a, **k: calls.append("stop"))
     monkeypatch.setattr(MembershipAgent, "_continue_workers_in_next_round", lambda self, wg: calls.append("live"))
     agent = MembershipAgent.__new__(MembershipAgent)  # the decision needs no spec, store or workers
-    agent.live_membership, agent.generation, agent.node_id = live, 4, "a_1"
+    agent.live_membership, agent.generation, agent.node_id, agent.failure_wait_s = live, 4, "a_1", 5.0
     agent._control = dist.PrefixStore("lightning_emig/r/", dist.HashStore())
+    if survivors is not None:
+        publish_generation(agent._control, nodes=[NodeEntry(node_id=n, ranks=(i,), kept_workers=True)
+                                                  for i, n in enumerate(survivors)],
+                           world_size=len(survivors), master_addr="h", master_port=1, rendezvous_seconds=0.0)
     if peer_restarting:
         agent._control.set(restart_key(4), "b_2")
     group = SimpleNamespace(state=WorkerState[state])
     agent._restart_workers(group)
     marked = not peer_restarting and agent._control.check([restart_key(4)])
-    assert "+".join(calls + (["mark"] if marked else [])) == expected
+    dead = agent._control.check([dead_key("a_1")])  # a rejoining node took its marker back: it was decided
+    assert "+".join(calls + (["mark"] if marked else []) + (["dead"] if dead else [])) == expected
 
 
 # --- the seam into torchrun -----------------------------------------------------------------------

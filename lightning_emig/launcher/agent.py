@@ -155,6 +155,7 @@ class MembershipAgent(LocalElasticAgent):
             if latest >= 0 and self.node_id not in {n.node_id for n in read_generation(control, latest).nodes}:
                 logger.warning("[%s] the survivors carried on as generation %d; rejoining with fresh workers",
                                self.node_id, latest)
+                control.delete_key(dead_key(self.node_id))  # decided; a later failure must not read it again
                 return True
             time.sleep(0.2)
         logger.error("[%s] no generation without this node within %.0fs: torchrun's restart path",
