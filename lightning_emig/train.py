@@ -65,8 +65,11 @@ def run_training(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             switch_to_generation(handoff.generation, timeout=parts.strategy.timeout)
             handoff.lap("group")
             _drop_model(parts.module)
+        waiting_since = time.perf_counter()
         newer = wait_for_enough_nodes(handoff.generation, parts.strategy.failure_settings.below_min_timeout_s)
         if newer is not None:  # fewer nodes than MIN were left: join the generation that brought more
+            if handoff.prior is not None:  # the change that left too few nodes is an event of its own
+                events.append(_record_prior_event(parts, handoff, time.perf_counter() - waiting_since))
             handoff.generation = newer
             switch_to_generation(newer, timeout=parts.strategy.timeout)
             handoff.phase_started = time.perf_counter()
@@ -113,6 +116,23 @@ def _recover(parts: Any, failure: BaseException) -> Any:
         dist.broadcast_object_list(box, src=0)
         outcome.checkpoint = box[0]
     return outcome
+
+
+def _record_prior_event(parts: Any, handoff: Any, waited: float) -> Any:
+    """Record the failure or preemption that left the survivors below MIN; the join that follows is another event."""
+    from lightning_emig.strategy.reconfigure import ReconfigureEvent
+
+    prior, handoff.prior = handoff.prior, None
+    event = ReconfigureEvent(
+        kind=prior["kind"], step=int(handoff.metadata["global_step"]), old_layout=prior["old_layout"],
+        new_layout=handoff.old_layout.as_dict(), old_world=prior["old_world"], new_world=handoff.old_world,
+        bytes_moved=prior["bytes_moved"], bytes_copied_locally=prior["bytes_copied_locally"],
+        seconds={**handoff.seconds, "below_min_wait": waited}, generation=handoff.generation,
+        steps_rolled_back=prior.get("steps_rolled_back"),
+    )
+    parts.strategy._record_event(parts.trainer, event)  # noqa: SLF001 - its rank is the new world's (env rewritten)
+    handoff.seconds = {"below_min_wait": waited}
+    return event
 
 
 def switch_to_generation(generation: int, *, timeout: Any) -> None:

@@ -204,3 +204,51 @@ def test_a_killed_node_without_replicas_rolls_back_to_the_last_checkpoint(tmp_pa
     assert rolled <= set(range(failure["step"], failure["step"] + failure["steps_rolled_back"] + 1))
     print(f"\nnode killed; rolled back to step {failure['step']} ({failure['steps_rolled_back']} steps lost): downtime "
           f"{failure['downtime_seconds']:.2f}s; phases " + ", ".join(f"{k} {v:.3f}s" for k, v in failure["seconds"].items()))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_below_the_minimum_the_survivor_waits_with_its_state_for_a_joiner(tmp_path: Path) -> None:
+    """``--nnodes=2:3``: node B is killed whole, A alone is below MIN. A keeps its state in memory and trains no step
+    until node C (127.0.0.4) joins; then A hands its state to the world A + C and the job finishes there."""
+    from lightning_emig.training.step_times import read_step_times
+
+    port = free_port()
+    run_dir = tmp_path / "run"
+    args = [*TRAIN, "layout=hsdp", "data.ledger=true"]
+    agents: dict[str, subprocess.Popen] = {}
+
+    def node(name: str, addr: str, host: bool) -> subprocess.Popen:
+        return start_node(tmp_path, name, local_addr=addr, port=port, run_dir=run_dir, rdzv_id="below-min",
+                          nnodes="2:3", rdzv_conf=f"is_host={str(host).lower()}", train_args=args)
+
+    try:
+        agents["a"] = node("a", "127.0.0.2", True)
+        agents["b"] = node("b", "127.0.0.3", False)
+        wait_for(lambda: len(read_step_times(run_dir)) >= 20 or any(p.poll() is not None for p in agents.values()),
+                 120, f"no 20 steps on the world of two:\n{_log(tmp_path, 'a')}\n{_log(tmp_path, 'b')}")
+        a_workers = [p for p in descendants(agents["a"].pid) if is_alive(p)]
+        kill_tree(agents["b"].pid)
+        wait_for(lambda: "BELOW MIN" in (tmp_path / "a.log").read_text() or agents["a"].poll() is not None,
+                 60, f"A did not wait below MIN:\n{_log(tmp_path, 'a')}")
+        steps_when_waiting = len(read_step_times(run_dir))
+        agents["c"] = node("c", "127.0.0.4", False)
+        for name in ("a", "c"):
+            try:
+                agents[name].wait(timeout=200)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"agent {name} did not finish; its log:\n{_log(tmp_path, name)}")
+            assert agents[name].returncode == 0, f"agent {name} failed:\n{_log(tmp_path, name)}"
+    finally:
+        for proc in agents.values():
+            kill_tree(proc.pid)
+            proc.wait(timeout=10)
+
+    times = read_step_times(run_dir)
+    assert all(t["world"] == 2 for t in times), "a step ran on the world of one, below MIN"
+    assert len(times) > steps_when_waiting
+    kinds = [(e["kind"], e["old_world"], e["new_world"]) for e in _events(run_dir)]
+    assert kinds[-2:] == [("failure", 2, 1), ("join", 1, 2)], kinds
+    checked = _check_losses_and_ledger(tmp_path, run_dir, a_workers)
+    assert checked["summary"]["world_size"] == 2
