@@ -2,15 +2,17 @@
 
 The protocol, per step (only under ``lightning-emig-run``; elsewhere the callback does nothing):
 
+0. every rank captures references to its live model and optimizer tensors and its resume metadata (the same
+   consistent mid-epoch state a ``ModelCheckpoint`` saved in ``on_train_batch_end`` would hold) as
+   ``strategy.last_boundary``, *before* the step's collective: should a peer die, this is what the survivors hold
+   (see :mod:`~lightning_emig.membership.failure`);
 1. global rank 0 reads ``latest_generation`` from the control store, at most every ``poll_interval_s``, and
    reports a newer generation only once every worker started into it has announced itself ready (or
    ``joiner_wait_s`` passed): until then training goes on, so the joiners' start-up costs no downtime;
 2. one ``all_reduce(MAX)`` of that number over the world: every rank decides the same thing at the same step
    (its cost is kept in :attr:`RendezvousCallback.agree_seconds`);
-3. when it is newer than the generation this Trainer runs in, every rank captures its resume metadata *now*
-   (the same consistent mid-epoch state a ``ModelCheckpoint`` saved in ``on_train_batch_end`` would hold) and
-   references to its live model and optimizer tensors, leaves them on the strategy as a
-   :class:`~lightning_emig.membership.handoff.LiveHandoff`, and stops the fit. The caller then starts a new
+3. when it is newer than the generation this Trainer runs in, every rank leaves that capture on the strategy as a
+   :class:`~lightning_emig.membership.handoff.LiveHandoff` to hand over, and stops the fit. The caller then starts a new
    ``Trainer.fit(ckpt_path="live")`` in the same process, in the new generation.
 
 When rank 0 also finds a ``leaving/<node_id>`` notice of a node of the current generation (announced preemption),
@@ -64,7 +66,8 @@ class RendezvousCallback(Callback):
         self.joiner_wait_s = joiner_wait_s
         self.store_timeout_s = store_timeout_s
         self.agree_seconds: list[float] = []
-        """Seconds of each step's check (store read on rank 0 + the all-reduce): the steady-state cost."""
+        """Seconds of each step's check (capturing the live state's references and resume metadata, the store read
+        on rank 0, the all-reduce): the steady-state cost."""
         self._client: Any = None
         self._last_poll = float("-inf")
         self._seen: dict[int, float] = {}  # generation -> monotonic time rank 0 first saw it
@@ -83,9 +86,9 @@ class RendezvousCallback(Callback):
         strategy.finish_join_event(trainer)
         last_step_wall = time.time()
         # Captured before the step's only collective: a peer dying now leaves the survivors this consistent state.
-        start = time.perf_counter()
+        boundary_start = time.perf_counter()
         strategy.last_boundary = stash = capture_handoff(trainer, new_generation=-1, last_step_wall=last_step_wall)
-        stash.seconds["capture"] = time.perf_counter() - start
+        stash.seconds["capture"] = time.perf_counter() - boundary_start
         start = time.perf_counter()
         latest, leave = self._poll(strategy.generation) if trainer.global_rank == 0 else (-1, 0)
         detect = time.perf_counter() - start
@@ -93,12 +96,13 @@ class RendezvousCallback(Callback):
         if dist.is_initialized():
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         latest, leave = (int(v) for v in agreed.tolist())
-        self.agree_seconds.append(time.perf_counter() - start)
+        agree = time.perf_counter() - start - detect
+        self.agree_seconds.append(time.perf_counter() - boundary_start)
         if leave and dist.is_initialized():
             # A node announced its preemption: drain it over the old group, then stop like a handoff.
             handoff = stash
             handoff.phase_started = time.perf_counter()
-            handoff.seconds.update(detect=detect, agree=self.agree_seconds[-1] - detect)
+            handoff.seconds.update(detect=detect, agree=agree)
             show_migration(trainer, "migrating (node leaving)")
             strategy.pending_handoff = drain_leavers(trainer, self._client, handoff)
             trainer.should_stop = True
@@ -107,7 +111,7 @@ class RendezvousCallback(Callback):
             return
         handoff = stash
         handoff.generation, handoff.phase_started = latest, time.perf_counter()
-        handoff.seconds.update(detect=detect, agree=self.agree_seconds[-1] - detect)
+        handoff.seconds.update(detect=detect, agree=agree)
         show_migration(trainer, f"migrating (generation {latest})")
         strategy.pending_handoff = handoff
         trainer.should_stop = True
