@@ -30,6 +30,7 @@ from lightning_emig.testing.commands import (
     kill_tree,
 )
 from lightning_emig.testing.distributed import free_port
+from lightning_emig.testing.ledger import check_ledger
 from lightning_emig.testing.nodes import log_tail as _log
 from lightning_emig.testing.nodes import reference_losses, start_node
 from lightning_emig.testing.nodes import wait_for as _wait_for
@@ -75,7 +76,7 @@ def test_generation_env_describes_the_new_world_to_lightning() -> None:
 
 def _start_node(tmp_path: Path, name: str, local_addr: str, port: int, run_dir: Path) -> subprocess.Popen:
     return start_node(tmp_path, name, local_addr=local_addr, port=port, run_dir=run_dir,
-                      train_args=[*TRAIN, "trainer.checkpoint_every_n_steps=10"])
+                      train_args=[*TRAIN, "trainer.checkpoint_every_n_steps=10", "data.ledger=true"])
 
 
 def _median_ms(seconds: list[float]) -> float:
@@ -117,6 +118,10 @@ def test_a_node_joins_live_training_without_restarting_the_survivor(tmp_path: Pa
     assert join["bytes_moved"] > 0
     assert 10 <= join["step"] < MAX_STEPS, "B joined too late to test training on the bigger world"
     assert not (run_dir / "checkpoints" / f"step{join['step']:06d}.ckpt").exists(), "the handoff wrote a checkpoint"
+
+    ledger = check_ledger(run_dir)  # every sample of every step's global batch exactly once, across the join
+    ledger.assert_exactly_once()
+    assert ledger.rolled_back_steps == [] and set(ledger.dp_degrees.values()) == {1, 2}, ledger.describe()
 
     losses = summary["step_losses"]
     assert sorted(int(k) for k in losses) == list(range(MAX_STEPS))

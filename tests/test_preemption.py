@@ -28,6 +28,7 @@ from lightning_emig.testing.commands import (
     kill_tree,
 )
 from lightning_emig.testing.distributed import free_port
+from lightning_emig.testing.ledger import check_ledger
 from lightning_emig.testing.nodes import log_tail as _log
 from lightning_emig.testing.nodes import reference_losses, start_node, wait_for
 
@@ -44,7 +45,7 @@ def _start_node(log_dir: Path, name: str, local_addr: str, port: int, run_dir: P
     return start_node(
         log_dir, name, local_addr=local_addr, port=port, run_dir=run_dir, rdzv_id="preempt",
         rdzv_conf=f"is_host={str(hosts_store).lower()}", env={"LIGHTNING_EMIG_GRACE_S": "60"},
-        train_args=[*TRAIN, "trainer.checkpoint_every_n_steps=10"],
+        train_args=[*TRAIN, "trainer.checkpoint_every_n_steps=10", "data.ledger=true"],
     )
 
 
@@ -115,6 +116,10 @@ def test_a_preempted_node_hands_off_its_state_and_the_survivor_continues(tmp_pat
     assert preempt["bytes_moved"] > 0
     assert after <= preempt["step"] < MAX_STEPS
     assert not (run_dir / "checkpoints" / f"step{preempt['step']:06d}.ckpt").exists(), "the handoff wrote a checkpoint"
+
+    ledger = check_ledger(run_dir)  # every sample of every step's global batch exactly once, across the handoff
+    ledger.assert_exactly_once()
+    assert ledger.rolled_back_steps == [] and set(ledger.dp_degrees.values()) == {1, 2}, ledger.describe()
 
     losses = summary["step_losses"]
     assert sorted(int(k) for k in losses) == list(range(MAX_STEPS))

@@ -27,6 +27,7 @@ from lightning_emig.testing.commands import (
     kill_tree,
 )
 from lightning_emig.testing.distributed import free_port
+from lightning_emig.testing.ledger import check_ledger
 from lightning_emig.testing.nodes import log_tail, reference_losses, start_node, wait_for
 from lightning_emig.training.resume import (
     FoundCheckpoint,
@@ -51,7 +52,8 @@ def test_a_join_under_torchrun_restarts_workers_and_resumes_from_the_newest_chec
     port = free_port()
     run_dir = tmp_path / "run"
     agents: dict[str, subprocess.Popen] = {}
-    node = {"port": port, "run_dir": run_dir, "train_args": TRAIN, "rdzv_id": "restart-train", "env": RESTART_PATH}
+    node = {"port": port, "run_dir": run_dir, "train_args": [*TRAIN, "data.ledger=true"], "rdzv_id": "restart-train",
+            "env": RESTART_PATH}
     try:
         agents["a"] = start_node(tmp_path, "a", local_addr="127.0.0.2", **node)
         wait_for(lambda: (run_dir / "checkpoints" / "step000010.ckpt").exists() or agents["a"].poll() is not None,
@@ -86,6 +88,11 @@ def test_a_join_under_torchrun_restarts_workers_and_resumes_from_the_newest_chec
     assert not {t["pid"] for t in new} & {t["pid"] for t in old}, "A's worker was not restarted"
     assert old[-1]["step"] - resumed == restart["steps_rolled_back"]
     assert [t["step"] for t in new] == list(range(resumed + 1, MAX_STEPS + 1))
+    # The ledger holds both attempts of the recomputed steps (and of a step the stop cut short); the last counts.
+    ledger = check_ledger(run_dir)
+    ledger.assert_exactly_once()
+    recomputed = set(range(resumed, old[-1]["step"]))
+    assert recomputed <= set(ledger.rolled_back_steps) <= recomputed | {old[-1]["step"]}, ledger.describe()
 
     logs = log_tail(tmp_path, "a", 10**7) + log_tail(tmp_path, "b", 10**7)
     assert "RESTART" in logs and f"step{resumed:06d}.ckpt at step {resumed}: saved on 1 process(es)" in logs, logs[-4000:]
