@@ -55,13 +55,13 @@ def _events(run_dir: Path) -> list[dict]:
 
 
 def test_batch_counters_are_re_expressed_for_the_new_accumulation() -> None:
-    from lightning_emig.membership.preempt import _rescale_batch_progress
+    from lightning_emig.strategy.boundary import rescale_batch_progress
 
     # Captured in on_train_batch_end of step 21 under accumulation 2 (completed lags by the batch being ended).
     counters = {"ready": 42, "started": 42, "processed": 42, "completed": 41}
     metadata = {"loops": {"fit_loop": {"epoch_loop.batch_progress": {"current": dict(counters),
                                                                       "total": dict(counters)}}}}
-    _rescale_batch_progress(metadata, 2, 4)
+    rescale_batch_progress(metadata, 2, 4)
     progress = metadata["loops"]["fit_loop"]["epoch_loop.batch_progress"]
     for scope in ("current", "total"):
         assert progress[scope] == {"ready": 84, "started": 84, "processed": 84, "completed": 83}

@@ -249,7 +249,8 @@ def _rebuild_from_replicas(
 ) -> LiveHandoff:
     """Lay the survivors' state out for the new world; what the dead held comes from its replicas."""
     from lightning_emig.data.batching import BatchPlan
-    from lightning_emig.membership.preempt import _rescale_batch_progress, allocate_shards
+    from lightning_emig.membership.preempt import allocate_shards
+    from lightning_emig.strategy.boundary import rescale_batch_progress
 
     started = time.perf_counter()
     assert stash.state is not None
@@ -270,7 +271,7 @@ def _rebuild_from_replicas(
     old_accumulation = trainer.accumulate_grad_batches if trainer is not None else strategy.batch_plan.grad_accumulation
     new_plan = BatchPlan(global_batch_size=strategy.global_batch_size, micro_batch_size=strategy.micro_batch_size,
                          dp_degree=new_layout.dp)
-    _rescale_batch_progress(stash.metadata, old_accumulation, new_plan.grad_accumulation)
+    rescale_batch_progress(stash.metadata, old_accumulation, new_plan.grad_accumulation)
     return LiveHandoff(
         generation=-1, old_generation=strategy.generation, old_layout=new_layout, old_world=len(survivors),
         old_rank=new_rank, state=new_state, metadata=stash.metadata, last_step_wall=stash.last_step_wall,

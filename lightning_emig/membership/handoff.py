@@ -28,11 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from lightning_emig.data.batching import BatchPlan
 from lightning_emig.layout import HybridLayout
 from lightning_emig.migration.engine import migrate
 from lightning_emig.migration.planner import IdentityMap, ProcessInfo
 from lightning_emig.migration.state import ShardingSpec, StateTensor, allocate_optimizer_state, training_state
 from lightning_emig.migration.transfer import TransferOptions
+from lightning_emig.strategy.boundary import rescale_batch_progress
 from lightning_emig.strategy.rng import restore_rng_for_rank
 
 if TYPE_CHECKING:
@@ -156,6 +158,10 @@ def join_live(
     dist.broadcast_object_list(box, src=source)
     news: _Announcement = box[0]
     old_layout = HybridLayout(**news.old_layout)
+    # The counters were captured under the old world's gradient accumulation; Lightning steps on this world's.
+    old_plan = BatchPlan(global_batch_size=strategy.global_batch_size, micro_batch_size=strategy.micro_batch_size,
+                         dp_degree=old_layout.dp)
+    rescale_batch_progress(news.metadata, old_plan.grad_accumulation, strategy.batch_plan.grad_accumulation)
     old_ranks = sorted(old for _, _, old in who if old is not None)
     if old_ranks != list(range(news.old_world)):
         raise NotImplementedError(

@@ -31,6 +31,7 @@ from lightning_emig.data.batching import BatchPlan
 from lightning_emig.launcher.generation import (
     ENV_NODE_ID,
     NodeEntry,
+    latest_generation,
     leaving_key,
     publish_generation,
     read_generation,
@@ -40,6 +41,7 @@ from lightning_emig.migration.engine import migrate
 from lightning_emig.migration.planner import IdentityMap, ProcessInfo
 from lightning_emig.migration.state import StateTensor
 from lightning_emig.migration.transfer import TransferOptions
+from lightning_emig.strategy.boundary import rescale_batch_progress
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -84,6 +86,18 @@ def allocate_shards(
     return out
 
 
+def _joined_meanwhile(client: Any, info: Any, leaving: list[str]) -> int | None:
+    """Rank 0: a generation the agents published after ``info`` (nodes joined) that holds every surviving node and
+    none of the leavers — the survivors go straight into it. (One that still holds a leaver is joined first and the
+    leaver drained there: :class:`~lightning_emig.membership.callback.RendezvousCallback` waits for it.)"""
+    latest = latest_generation(client)
+    if latest <= info.generation:
+        return None
+    newer = {node.node_id for node in read_generation(client, latest).nodes}
+    staying = {node.node_id for node in info.nodes} - set(leaving)
+    return latest if staying <= newer and not newer & set(leaving) else None
+
+
 def drain_leavers(trainer: pl.Trainer, client: Any, handoff: LiveHandoff) -> LiveHandoff:
     """Run the drain (see the module docstring) on every old rank; returns this process's handoff.
 
@@ -101,9 +115,9 @@ def drain_leavers(trainer: pl.Trainer, client: Any, handoff: LiveHandoff) -> Liv
     dist.broadcast_object_list(box, src=0)
     generation, leaving = box[0]
     info = read_generation(client, generation) if rank == 0 else None
-    box = [info]
+    box = [(info, _joined_meanwhile(client, info, leaving) if rank == 0 else None)]
     dist.broadcast_object_list(box, src=0)
-    info = box[0]
+    info, pending = box[0]
     node_of = {info.rank_of(node.node_id, lr): node.node_id for node in info.nodes for lr in range(len(node.ranks))}
     survivors = [r for r in range(old_world) if node_of[r] not in leaving]
     if not survivors:
@@ -113,14 +127,16 @@ def drain_leavers(trainer: pl.Trainer, client: Any, handoff: LiveHandoff) -> Liv
     new_layout = layout_for_new_world(strategy._requested_layout, new_world)  # noqa: SLF001 - same rule as setup
     my_new_rank = new_rank_of.get(rank)
 
-    # The new generation: published by new rank 0, which hosts its store.
+    # The new generation: one the agents published meanwhile (survivors + joiners), else the survivors', published
+    # by new rank 0, which hosts its store.
     master = survivors[0]
-    box = [None]
-    if rank == master:
+    box = [pending]
+    if rank == master and pending is None:
         host = info.master_addr if master == 0 else node_of[master].rsplit("_", 1)[0]
         own_client = client if client is not None else control_client_from_env()
         box[0] = publish_survivors(own_client, info, new_rank_of, host)
-    dist.broadcast_object_list(box, src=master)
+    if pending is None:
+        dist.broadcast_object_list(box, src=master)
     new_generation = int(box[0])
     agree = time.perf_counter() - started
 
@@ -159,7 +175,7 @@ def drain_leavers(trainer: pl.Trainer, client: Any, handoff: LiveHandoff) -> Liv
         handoff.old_layout, handoff.old_world, handoff.old_rank = new_layout, new_world, my_new_rank
         new_plan = BatchPlan(global_batch_size=strategy.global_batch_size, micro_batch_size=strategy.micro_batch_size,
                              dp_degree=new_layout.dp)
-        _rescale_batch_progress(handoff.metadata, trainer.accumulate_grad_batches, new_plan.grad_accumulation)
+        rescale_batch_progress(handoff.metadata, trainer.accumulate_grad_batches, new_plan.grad_accumulation)
         if my_new_rank == 0:
             log.warning(
                 "node(s) %s preempted at step %d: world %d -> %d, %s -> %s, %.1f MB moved; generation %d",
@@ -167,21 +183,3 @@ def drain_leavers(trainer: pl.Trainer, client: Any, handoff: LiveHandoff) -> Liv
                 int(totals[0]) / 1e6, new_generation,
             )
     return handoff
-
-
-def _rescale_batch_progress(metadata: dict[str, Any], old_accumulation: int, new_accumulation: int) -> None:
-    """Re-express the saved micro-batch counters as "steps done x new accumulation".
-
-    Lightning steps when ``batch_progress.current.ready % accumulate_grad_batches == 0``; the counters were captured
-    under the old world's accumulation (the same rule as :func:`~lightning_emig.strategy.boundary.restart_training_iterator`
-    applies to a live layout change in one fit).
-    """
-    if old_accumulation == new_accumulation:
-        return
-    progress = metadata["loops"]["fit_loop"]["epoch_loop.batch_progress"]
-    for scope in ("current", "total"):
-        counters = progress[scope]
-        micro_batches = counters["ready"] // old_accumulation * new_accumulation
-        in_batch_end = counters["completed"] < counters["processed"]
-        counters.update(ready=micro_batches, started=micro_batches, processed=micro_batches,
-                        completed=micro_batches - 1 if in_batch_end else micro_batches)

@@ -60,3 +60,22 @@ class StepBoundaryHook(Callback):
         strategy: Any = trainer.strategy
         if getattr(strategy, "_pending_layout", None) is not None and _at_step_boundary(trainer):
             strategy.apply_pending_reconfigure(trainer)
+
+
+def rescale_batch_progress(metadata: dict[str, Any], old_accumulation: int, new_accumulation: int) -> None:
+    """Re-express the saved micro-batch counters as "steps done x new accumulation".
+
+    Lightning steps when ``batch_progress.current.ready % accumulate_grad_batches == 0``; the counters were captured
+    under the old world's accumulation (the same rule as :func:`restart_training_iterator` applies to a live layout
+    change in one fit). Every handoff into a world with another data-parallel degree needs it: joins, preemptions,
+    failures.
+    """
+    if old_accumulation == new_accumulation:
+        return
+    progress = metadata["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+    for scope in ("current", "total"):
+        counters = progress[scope]
+        micro_batches = counters["ready"] // old_accumulation * new_accumulation
+        in_batch_end = counters["completed"] < counters["processed"]
+        counters.update(ready=micro_batches, started=micro_batches, processed=micro_batches,
+                        completed=micro_batches - 1 if in_batch_end else micro_batches)
