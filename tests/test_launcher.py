@@ -207,6 +207,7 @@ def test_agent_carries_workers_over_only_for_joins(
     monkeypatch.setattr(MembershipAgent, "_continue_workers_in_next_round", lambda self, wg: calls.append("live"))
     agent = MembershipAgent.__new__(MembershipAgent)  # the decision needs no spec, store or workers
     agent.live_membership, agent.generation, agent.node_id, agent.failure_wait_s = live, 4, "a_1", 5.0
+    agent._notice_at = None
     agent._control = dist.PrefixStore("lightning_emig/r/", dist.HashStore())
     if survivors is not None:
         publish_generation(agent._control, nodes=[NodeEntry(node_id=n, ranks=(i,), kept_workers=True)
@@ -219,6 +220,20 @@ def test_agent_carries_workers_over_only_for_joins(
     marked = not peer_restarting and agent._control.check([restart_key(4)])
     dead = agent._control.check([dead_key("a_1")])  # a rejoining node took its marker back: it was decided
     assert "+".join(calls + (["mark"] if marked else []) + (["dead"] if dead else [])) == expected
+
+
+def test_a_node_with_notice_leaves_the_round_instead_of_joining_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch starts a new round only once every participant of the current one left it: a leaving node that simply
+    stayed out would block the joiners; one that joined would be counted with a worker that is about to exit."""
+    calls: list[str] = []
+    monkeypatch.setattr(LocalElasticAgent, "_restart_workers", lambda self, wg: calls.append("restart"))
+    monkeypatch.setattr(MembershipAgent, "_continue_workers_in_next_round", lambda self, wg: calls.append("live"))
+    monkeypatch.setattr(MembershipAgent, "_exit_rendezvous_round", lambda self: calls.append("left"))
+    agent = MembershipAgent.__new__(MembershipAgent)
+    agent.live_membership, agent.generation, agent.node_id, agent._notice_at = True, 4, "a_1", 12.0
+    agent._control = dist.PrefixStore("lightning_emig/r/", dist.HashStore())
+    agent._restart_workers(SimpleNamespace(state=WorkerState.HEALTHY))
+    assert calls == ["left"]
 
 
 # --- the seam into torchrun -----------------------------------------------------------------------

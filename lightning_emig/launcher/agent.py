@@ -15,8 +15,9 @@ the way to simulate a notice) does not stop the workers. The agent writes ``leav
 ``LIGHTNING_EMIG_GRACE_S`` seconds away (default 60) into the control store and keeps monitoring: the workers
 hand their state to the survivors at the next step boundary and exit 0; the agent then leaves the rendezvous
 without closing it and without the exit barrier (the survivors' agents count only the nodes of the newest
-generation at theirs). A second SIGTERM, or a grace period that runs out, is torchrun's SIGTERM: workers are
-killed, and for the survivors it is an abrupt failure.
+generation at theirs). A node with notice takes part in no further rendezvous round: nodes that join meanwhile
+form the next generation without it. A second SIGTERM, or a grace period that runs out, is torchrun's SIGTERM:
+workers are killed, and for the survivors it is an abrupt failure.
 
 Abrupt failure of a worker (it died, or exited non-zero): with live membership the agent does not restart the
 whole job. It writes ``dead/<node_id>`` (the survivors' workers then need not wait for stale heartbeats), stops its
@@ -121,12 +122,18 @@ class MembershipAgent(LocalElasticAgent):
         self._preempt_file = os.environ.get(ENV_PREEMPT_FILE) or None
         self._notice_at: float | None = None  # monotonic time of the preemption notice
         self._leaving_deadline: float | None = None  # monotonic; set once leaving/<node_id> is written
+        self._left_round = False
         settings = getattr(spec.rdzv_handler, "_settings", None)  # DynamicRendezvousHandler (torch 2.13)
         self.min_nodes = int(getattr(settings, "min_nodes", 1))
         self.failure_wait_s = float(os.environ.get(ENV_FAILURE_WAIT_S, "120"))
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         # torch's loop sets the group state before calling us: HEALTHY means "nodes are waiting".
+        if worker_group.state == WorkerState.HEALTHY and self._notice_at is not None:
+            # This node is leaving: its workers hand off and exit. It takes part in no further round, and leaves the
+            # current one, since torch starts the next round only once every participant of this one has left.
+            self._exit_rendezvous_round()
+            return
         joining = worker_group.state == WorkerState.HEALTHY and not self._peer_restarting()
         if self.live_membership and joining:
             self._continue_workers_in_next_round(worker_group)
@@ -300,6 +307,16 @@ class MembershipAgent(LocalElasticAgent):
         """A preempted node whose workers handed off their state: leave the rendezvous, do not close it."""
         handler: Any = self._worker_group.spec.rdzv_handler
         logger.warning("[%s] workers handed off their state and exited; leaving the job", self.node_id)
+        self._exit_rendezvous_round()
+        # launch_agent closes the rendezvous on success (the job is over): not when one node leaves.
+        handler.shutdown = lambda: True
+
+    def _exit_rendezvous_round(self) -> None:
+        """Remove this node from the rendezvous round (once), without closing the rendezvous."""
+        if self._left_round:
+            return
+        self._left_round = True
+        handler: Any = self._worker_group.spec.rdzv_handler
         try:  # DynamicRendezvousHandler internals (torch 2.13): stop heartbeats, remove this node from the round
             from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
 
@@ -307,5 +324,3 @@ class MembershipAgent(LocalElasticAgent):
             handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + 30)  # noqa: SLF001
         except Exception:  # noqa: BLE001 - the survivors' rendezvous then drops us by heartbeat timeout
             logger.warning("could not leave the rendezvous explicitly", exc_info=True)
-        # launch_agent closes the rendezvous on success (the job is over): not when one node leaves.
-        handler.shutdown = lambda: True

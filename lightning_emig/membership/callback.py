@@ -169,8 +169,11 @@ class RendezvousCallback(Callback):
         self._last_poll = now
         if self._client is None:
             self._client = control_client_from_env(timeout_s=self.store_timeout_s)
-        leave = 1 if leaving_nodes(self._client, current) else 0
-        return self._newest_ready(current, now), leave
+        leaving = set(leaving_nodes(self._client, current))
+        latest = latest_generation(self._client)
+        if leaving and latest > current and leaving & {n.node_id for n in read_generation(self._client, latest).nodes}:
+            leaving = set()  # a round kept the leaver (its notice came later): join that generation, drain it there
+        return self._newest_ready(current, now), 1 if leaving else 0
 
     def _newest_ready(self, current: int, now: float) -> int:
         latest = latest_generation(self._client)
