@@ -93,7 +93,9 @@ def _fit(parts: Any, ckpt_path: str | None) -> BaseException | None:
     try:
         parts.trainer.fit(parts.module, train_dataloaders=parts.loader, ckpt_path=ckpt_path)
     except Exception as exc:
-        if under_launcher() and is_peer_failure(exc):
+        # A process that failed before it had a layout (a joiner forming its first group) holds no state: it exits,
+        # and its agent treats the node as failed.
+        if under_launcher() and is_peer_failure(exc) and parts.strategy.has_layout:
             return exc
         raise
     return None

@@ -143,6 +143,10 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         return self.layout_mesh.layout
 
     @property
+    def has_layout(self) -> bool:
+        return self._layout_mesh is not None
+
+    @property
     def layout_mesh(self) -> LayoutMesh:
         if self._layout_mesh is None:
             raise RuntimeError("the layout mesh exists once processes are initialised (from configure_model on)")
@@ -169,6 +173,8 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         from lightning_emig.membership.group import under_launcher
+
+        _terminate_on_sigterm_under_torchrun()
 
         if under_launcher():
             from lightning_emig.membership.heartbeat import start_heartbeat
@@ -485,3 +491,18 @@ def _start_generation() -> int:
     from lightning_emig.launcher.generation import ENV_GENERATION
 
     return int(os.environ.get(ENV_GENERATION, "0"))
+
+
+def _terminate_on_sigterm_under_torchrun() -> None:
+    """Let torchrun's agent stop a worker with SIGTERM, as it expects.
+
+    Lightning 2.6 installs a SIGTERM handler (just before the strategy's ``setup_environment``) that runs a
+    ``dist.broadcast`` inside the handler and then ignores the signal: a worker told to stop mid-collective hangs
+    with its peers until the agent's SIGKILL 30 s later — the restart path's stop would cost half a minute. Under
+    torchrun the agent owns the workers' lifecycle, so the default action (terminate) is restored.
+    """
+    import signal
+    import threading
+
+    if "TORCHELASTIC_RUN_ID" in os.environ and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
