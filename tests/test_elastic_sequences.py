@@ -1,0 +1,245 @@
+"""Two membership events close together, end to end: three ``lightning-emig-run`` agents on one host as nodes.
+
+Nodes A (127.0.0.2, hosts the rendezvous store: ``is_host=true``, it must not be the one preempted), B (127.0.0.3)
+and C (127.0.0.4) run one worker each, ``--nnodes=1:3``, the tiny model, a global batch of 12 (a whole number of
+micro-batches of 2 on 1, 2 or 3 data-parallel ranks) and ``data.ledger=true``.
+
+1. *Quick succession*: A and B train as a world of two; then C starts and B gets SIGTERM (an announced
+   preemption) either half a second later (B's worker, once it has handed its state over, is slow to exit: it
+   exits when C's generation is published), or the moment B's agent has seen C waiting and runs C's rendezvous
+   round (the notice lands while the agents form the generation that still counts B).
+2. *A join while a migration is running*: A trains alone, B joins; C starts when A hands its live state over to
+   the generation with B, and that migration (on A and on B) is held until C's generation is published
+   (:mod:`lightning_emig.testing.held_train`), so C's join lands during it on any machine.
+
+Specification, for both:
+
+* every agent exits 0, A's worker is never restarted and finishes ``max_steps``; the final world is A+C (1) or
+  A+B+C (2);
+* ``events.jsonl`` shows the changes: (1) exactly one ``preempt`` and the ``join`` that brought C, (2) the joins
+  1 -> 2 -> 3; every event starts from the world the previous one left;
+* every step's loss equals the uninterrupted single-process run's to a relative 1e-4 (same global batch and data
+  order; data-parallel ranks sum gradients in another order than one process accumulating);
+* the data ledger shows every sample of the global batch of every step trained exactly once, nothing rolled back;
+* no process is left behind: every process any agent started is gone once the agents have exited.
+
+What these caught (fixed): a preempted node's agent that still took part in the next rendezvous round (its
+departed worker was kept in the new generation); a drain that published the survivors' generation past the one
+the agents had just published with the joiner; a live join that kept the old world's micro-batch counters (the
+first step after a 2 -> 3 join ran on one micro-batch whenever the counter was odd).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from lightning_emig.testing.commands import descendants, is_alive, kill_tree
+from lightning_emig.testing.distributed import free_port
+from lightning_emig.testing.held_train import ENV_HOLD_LEAVING_EXIT, ENV_HOLD_UNTIL_GENERATION
+from lightning_emig.testing.ledger import check_ledger
+from lightning_emig.testing.nodes import log_tail, reference_losses, start_node, wait_for
+from lightning_emig.training.step_times import read_step_times
+
+MAX_STEPS = 250
+TRAIN = ["data=synthetic", "model=tiny", f"trainer.max_steps={MAX_STEPS}", "trainer.global_batch_size=12",
+         "trainer.micro_batch_size=2", "trainer.progress_bar=false", "trainer.pg_timeout_s=30", "data.ledger=true"]
+REL_TOL = 1e-4
+ADDRESSES = {"a": "127.0.0.2", "b": "127.0.0.3", "c": "127.0.0.4"}
+
+
+class Nodes:
+    """The simulated nodes of one job, and every process their agents started (watched until they are gone)."""
+
+    def __init__(self, tmp_path: Path, *, rdzv_id: str, module: str = "lightning_emig.train",
+                 env: dict[str, str] | None = None) -> None:
+        self.tmp_path, self.run_dir = tmp_path, tmp_path / "run"
+        self.port, self.rdzv_id, self.module, self.env = free_port(), rdzv_id, module, env or {}
+        self.agents: dict[str, subprocess.Popen] = {}
+        self.started: dict[str, set[int]] = {}
+        """Every descendant each agent ever had (polled), its workers first among them."""
+        self._stop = threading.Event()
+        self._watch = threading.Thread(target=self._poll, daemon=True)
+        self._watch.start()
+
+    def start(self, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        self.agents[name] = start_node(
+            self.tmp_path, name, local_addr=ADDRESSES[name], port=self.port, run_dir=self.run_dir,
+            train_args=TRAIN, nnodes="1:3", rdzv_id=self.rdzv_id, rdzv_conf=f"is_host={str(name == 'a').lower()}",
+            env={"LIGHTNING_EMIG_GRACE_S": "60", **self.env, **(env or {})}, module=self.module,
+        )
+        self.started[name] = set()
+        return self.agents[name]
+
+    def workers(self, name: str) -> list[int]:
+        return [p for p in descendants(self.agents[name].pid) if is_alive(p)]
+
+    def log(self, name: str) -> str:
+        path = self.tmp_path / f"{name}.log"
+        return path.read_text() if path.exists() else ""
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {name}.log\n{log_tail(self.tmp_path, name)}" for name in self.agents)
+
+    def any_exited(self) -> bool:
+        return any(p.poll() is not None for p in self.agents.values())
+
+    def wait_all(self, timeout_s: float) -> None:
+        """Every agent exits 0 within ``timeout_s``; fails at the first that exits otherwise."""
+        deadline = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in self.agents.values()):
+            failed = [name for name, p in self.agents.items() if p.poll() not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                what = f"agent(s) {failed} failed" if failed else "agents did not finish"
+                pytest.fail(f"{what}:\n{self.logs()}")
+            time.sleep(0.2)
+        for name, proc in self.agents.items():
+            assert proc.returncode == 0, f"agent {name} exited {proc.returncode}:\n{self.logs()}"
+
+    def left_behind(self) -> list[int]:
+        """Processes any agent started that are still alive (call after the agents exited)."""
+        self._stop.set()
+        self._watch.join(timeout=5)
+        return sorted(p for pids in self.started.values() for p in pids if is_alive(p))
+
+    def close(self) -> None:
+        for proc in self.agents.values():
+            kill_tree(proc.pid)
+            proc.wait(timeout=10)
+        self._stop.set()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.2):
+            for name, proc in list(self.agents.items()):
+                if proc.poll() is None:
+                    self.started[name].update(descendants(proc.pid))
+
+
+def _events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _steps_on_world(run_dir: Path, world: int) -> int:
+    return sum(1 for record in read_step_times(run_dir) if record["world"] == world)
+
+
+def _check_run(nodes: Nodes, a_workers: list[int], *, final_world: int) -> tuple[list[dict], dict]:
+    """What both tests require of the finished run (the ledger first: it names a wrong step); returns its events
+    and summary."""
+    run_dir = nodes.run_dir
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["pid"] in a_workers, "node A's worker was restarted (rank 0 of the final world is A's)"
+    assert summary["world_size"] == final_world and summary["layout"]["dp_shard"] == final_world
+    events = _events(run_dir)
+    for before, after in zip(events, events[1:], strict=False):
+        assert after["old_world"] == before["new_world"], f"events do not chain: {events}"
+        assert after["step"] >= before["step"], events
+    assert events and events[-1]["new_world"] == final_world, events
+    assert not [e for e in events if e["kind"] not in ("join", "preempt")], f"a failure or restart: {events}"
+
+    report = check_ledger(run_dir)
+    report.assert_exactly_once()
+    assert report.rolled_back_steps == [], report.describe()
+    degrees = [e["old_layout"]["dp_shard"] for e in events] + [final_world]
+    assert set(report.dp_degrees.values()) == set(degrees), (report.describe(), events)
+
+    losses = summary["step_losses"]
+    assert sorted(int(k) for k in losses) == list(range(MAX_STEPS))
+    reference = reference_losses(nodes.tmp_path, TRAIN)
+    worst = max(abs(losses[k] - reference[k]) / abs(reference[k]) for k in reference)
+    assert worst < REL_TOL, f"loss curve departs from the reference by {worst:.2e} (relative)"
+    print(f"\n{[(e['kind'], e['old_world'], e['new_world'], e['step']) for e in events]}; worst relative loss gap "
+          f"{worst:.1e}; ledger: {report.describe()}")
+    return events, summary
+
+
+# --- 1. a join and a preemption in quick succession --------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("notice", ["as_c_starts", "during_c_round"])
+def test_a_join_and_a_preemption_in_quick_succession(tmp_path: Path, notice: str) -> None:
+    started = time.monotonic()
+    # as_c_starts: a preempted worker's teardown takes a moment; B's worker exits once C's generation is published.
+    nodes = Nodes(tmp_path, rdzv_id="succession", module="lightning_emig.testing.held_train",
+                  env={ENV_HOLD_LEAVING_EXIT: "1"} if notice == "as_c_starts" else {})
+    try:
+        a_workers = _join_and_preempt(nodes, notice)
+    finally:
+        nodes.close()
+    events, _ = _check_run(nodes, a_workers, final_world=2)
+    kinds = Counter(e["kind"] for e in events)
+    assert kinds["preempt"] == 1 and kinds["join"] >= 1, events
+    preempt = next(e for e in events if e["kind"] == "preempt")
+    assert preempt["new_world"] == preempt["old_world"] - 1 and preempt["bytes_moved"] > 0
+    print(f"quick succession ({notice}): {time.monotonic() - started:.0f}s")
+
+
+def _join_and_preempt(nodes: Nodes, notice: str) -> list[int]:
+    """A and B train as two; C starts and B gets SIGTERM; every agent exits 0. Returns A's worker pids."""
+    nodes.start("a")
+    nodes.start("b", env={"LOGLEVEL": "INFO"})  # torchrun's agent then logs when it sees a node waiting
+    wait_for(lambda: _steps_on_world(nodes.run_dir, 2) >= 5 or nodes.any_exited(),
+             120, f"A and B did not train as a world of two:\n{nodes.logs()}")
+    assert not nodes.any_exited(), nodes.logs()
+    a_workers, b_workers = nodes.workers("a"), nodes.workers("b")
+    nodes.start("c")
+    if notice == "as_c_starts":
+        time.sleep(0.5)
+    else:  # B's agent has seen C waiting: the notice lands while it runs the round that still counts B
+        # (torchrun counts A's agent too when A entered the round first: "Detected 2 new nodes")
+        wait_for(lambda: re.search(r"Detected \d+ new nodes", nodes.log("b")) is not None or nodes.any_exited(), 60,
+                 f"B's agent never saw C waiting:\n{nodes.logs()}")
+    os.kill(nodes.agents["b"].pid, signal.SIGTERM)
+    nodes.wait_all(180)
+    assert not any(is_alive(p) for p in b_workers), "B's worker outlived its agent"
+    left = nodes.left_behind()
+    assert not left, f"processes left behind: {left}"
+    return a_workers
+
+
+# --- 2. a join while a migration is running ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_join_while_a_migration_is_running(tmp_path: Path) -> None:
+    started = time.monotonic()
+    # Every live migration waits until generation 2 (C's) exists: the one into generation 1 (B's) is running then.
+    nodes = Nodes(tmp_path, rdzv_id="join-in-migration", module="lightning_emig.testing.held_train",
+                  env={ENV_HOLD_UNTIL_GENERATION: "2"})
+    try:
+        nodes.start("a")
+        wait_for(lambda: "generation 0: world 1" in nodes.log("a") or nodes.any_exited(), 60,
+                 f"A did not start:\n{nodes.logs()}")
+        nodes.start("b")  # A's worker starts up meanwhile; it trains alone until B's worker is ready
+        wait_for(lambda: "generation 1 published: handing over live state" in nodes.log("a") or nodes.any_exited(),
+                 120, f"A never handed its state to generation 1:\n{nodes.logs()}")
+        a_workers = nodes.workers("a")
+        nodes.start("c")
+        nodes.wait_all(180)
+        left = nodes.left_behind()
+        assert not left, f"processes left behind: {left}"
+    finally:
+        nodes.close()
+
+    held = [line for line in nodes.log("a").splitlines() if "test hold: generation 2 published" in line]
+    assert held, f"A's migration into generation 1 was not running when generation 2 appeared:\n{nodes.logs()}"
+    events, _ = _check_run(nodes, a_workers, final_world=3)
+    assert [(e["kind"], e["old_world"], e["new_world"], e["generation"]) for e in events] == [
+        ("join", 1, 2, 1), ("join", 2, 3, 2)], events
+    assert events[1]["step"] < MAX_STEPS - 1, "C joined too late to train on the world of three"
+    print(f"join during a migration: {held[0].split('test hold: ')[-1]}; {time.monotonic() - started:.0f}s")
