@@ -6,6 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 
 .PHONY: install test demo lint bench clean
 
@@ -21,8 +22,9 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# Three simulated nodes on this host: a join, a preemption with notice, a node failure; table + loss.png.
 demo: $(STAMP)
-	$(PY) -m lightning_emig.train recipe=tiny_cpu
+	$(PY) -m lightning_emig.demo $(DEMO_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

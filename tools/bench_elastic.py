@@ -24,6 +24,8 @@ steady-state cost). Each record:
   compute; on 2 shared CPU cores a ``llama_25m`` step takes seconds, so this is the part the path adds).
 
     .venv/bin/python tools/bench_elastic.py --models tiny llama_25m --out bench_results/elastic.json
+
+The event itself is driven by :mod:`lightning_emig.testing.join_downtime` (shared with ``make demo``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,13 +42,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from lightning_emig.testing.commands import kill_tree  # noqa: E402
-from lightning_emig.testing.distributed import free_port  # noqa: E402
-from lightning_emig.testing.nodes import log_tail, start_node, wait_for  # noqa: E402
-from lightning_emig.training.step_times import read_step_times  # noqa: E402
-
-PATHS = {"live": {}, "restart": {"LIGHTNING_EMIG_LIVE_MEMBERSHIP": "0"}}
-EVENT_KIND = {"live": "join", "restart": "restart"}
+from lightning_emig.testing.join_downtime import PATHS, measure_join  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -75,78 +70,10 @@ def train_args(args: argparse.Namespace, model: str) -> list[str]:
     ]
 
 
-def _events(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
-
-
-def _last_step(run_dir: Path, world: int) -> int:
-    steps = [r["step"] for r in read_step_times(run_dir) if r["world"] == world]
-    return max(steps, default=0)
-
-
 def run_event(args: argparse.Namespace, model: str, path: str, run_dir: Path) -> dict[str, Any]:
-    """One join on the given path; returns its record."""
-    port = free_port()
-    node = {"port": port, "run_dir": run_dir, "train_args": train_args(args, model), "rdzv_id": run_dir.name,
-            "env": PATHS[path]}
-    agents: dict[str, subprocess.Popen] = {}
-    kind = EVENT_KIND[path]
-    try:
-        agents["a"] = start_node(run_dir.parent, f"{run_dir.name}-a", local_addr="127.0.0.2", **node)
-        wait_for(lambda: _last_step(run_dir, 1) >= args.join_after or agents["a"].poll() is not None,
-                 args.timeout, f"A did not reach step {args.join_after}")
-        if agents["a"].poll() is not None:
-            raise RuntimeError(f"node A exited:\n{log_tail(run_dir.parent, f'{run_dir.name}-a')}")
-        agents["b"] = start_node(run_dir.parent, f"{run_dir.name}-b", local_addr="127.0.0.3", **node)
-
-        def done() -> bool:
-            if any(p.poll() not in (None, 0) for p in agents.values()):
-                raise RuntimeError("an agent failed:\n" + "\n".join(
-                    log_tail(run_dir.parent, f"{run_dir.name}-{n}") for n in agents))
-            event = next((e for e in _events(run_dir) if e["kind"] == kind), None)
-            return event is not None and _last_step(run_dir, 2) >= event["step"] + args.steps_after + \
-                event.get("steps_rolled_back", 0)
-
-        wait_for(done, args.timeout, f"no {kind} event within {args.timeout:.0f}s")
-    finally:
-        for proc in agents.values():
-            kill_tree(proc.pid)
-            proc.wait(timeout=30)
-    return _record(model, path, run_dir)
-
-
-def _record(model: str, path: str, run_dir: Path) -> dict[str, Any]:
-    event = next(e for e in _events(run_dir) if e["kind"] == EVENT_KIND[path])
-    times = read_step_times(run_dir)
-    old = [t for t in times if t["world"] == 1]
-    new = [t for t in times if t["world"] == 2]
-    last_old = old[-1]
-    beyond = next(t for t in new if t["step"] > last_old["step"])
-    step_new = _median_step(new)
-    return {
-        "event": "join",
-        "path": path,
-        "model": model,
-        "old_world": event["old_world"],
-        "new_world": event["new_world"],
-        "step": event["step"],
-        "steps_rolled_back": event.get("steps_rolled_back", 0),
-        "downtime_seconds": event["downtime_seconds"],
-        "downtime_from_step_times": new[0]["time"] - last_old["time"],
-        "recovery_seconds": beyond["time"] - last_old["time"],
-        "phases": event["seconds"],
-        "bytes_moved": event["bytes_moved"],
-        "step_seconds_old": _median_step(old),
-        "step_seconds_new": step_new,
-        "overhead_seconds": event["downtime_seconds"] - step_new if step_new is not None else None,
-        "run_dir": str(run_dir),
-    }
-
-
-def _median_step(records: list[dict[str, Any]]) -> float | None:
-    gaps = [b["time"] - a["time"] for a, b in zip(records, records[1:], strict=False) if b["step"] == a["step"] + 1]
-    return statistics.median(gaps) if gaps else None
+    """One join (world 1 -> 2) on the given path; returns its record."""
+    return measure_join(run_dir, train_args(args, model), path, model=model, join_after=args.join_after,
+                        steps_after=args.steps_after, timeout_s=args.timeout)
 
 
 def main() -> None:
