@@ -109,6 +109,7 @@ def _recover(parts: Any, failure: BaseException) -> Any:
     from lightning_emig.membership.failure import Rollback, recover_from_failure
     from lightning_emig.training.resume import newest_checkpoint
 
+    _drop_model(parts.module)  # the model's FSDP state references the broken groups; the state is in the stash
     outcome = recover_from_failure(parts.strategy, failure, os.environ[ENV_NODE_ID], int(os.environ["LOCAL_RANK"]))
     if isinstance(outcome, Rollback):
         box: list[Any] = [None]

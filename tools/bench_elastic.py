@@ -1,15 +1,19 @@
-"""Downtime of a node join: the live path (``lightning-emig-run``) vs torchrun's restart path, same model, one run.
+"""Downtime of membership events: the live path (``lightning-emig-run``) vs torchrun's restart path, same model and
+same event, one run.
 
-For every model and round, the same event is run twice, one path after the other, on simulated nodes of this
-host (``lightning_emig.testing.nodes``): node A (127.0.0.2) trains alone; once it has finished
-``--join-after`` optimizer steps node B (127.0.0.3) starts; when the new world of 2 processes has finished
-``--steps-after`` steps both agents are stopped (the job is not run to the end: only the event is measured).
+For every model, event and round, the event is run twice, one path after the other, on simulated nodes of this host
+(``lightning_emig.testing.nodes``); the job is not run to the end: only the event is measured.
 
-* ``live``: the default ``lightning-emig-run``: A's worker keeps running while B's starts up, then hands its
-  state over point to point (``events.jsonl``: one ``join`` event with ``downtime_seconds`` and its phases);
-* ``restart``: ``LIGHTNING_EMIG_LIVE_MEMBERSHIP=0``, torchrun's own behaviour: A's worker is stopped, both
-  workers start, load the newest checkpoint resharded for the new world and recompute the steps after it
-  (``events.jsonl``: one ``restart`` event with ``downtime_seconds``, ``steps_rolled_back`` and its phases).
+* ``join``: node A (127.0.0.2) trains alone; once it has finished ``--join-after`` optimizer steps node B
+  (127.0.0.3) starts; stopped when the new world of 2 processes has finished ``--steps-after`` steps.
+  ``live``: A's worker keeps running while B's starts up, then hands its state over point to point (one ``join``
+  event); ``restart`` (``LIGHTNING_EMIG_LIVE_MEMBERSHIP=0``, torchrun's own behaviour): A's worker is stopped, both
+  workers start, load the newest checkpoint resharded for the new world and recompute the steps after it (one
+  ``restart`` event with ``steps_rolled_back``).
+* ``failure``: A and B train as two HSDP replicas; after ``--join-after`` steps (and a complete checkpoint) B's
+  worker gets SIGKILL (:mod:`lightning_emig.testing.failure_downtime`). ``live``: A rebuilds from its own replica and
+  trains on alone (one ``failure`` event, 2 -> 1); ``restart``: torchrun restarts both workers from the newest
+  checkpoint (one ``restart`` event, 2 -> 2).
 
 Both paths checkpoint every ``--checkpoint-every`` steps (the restart path needs it; the live path pays the same
 steady-state cost). Each record:
@@ -23,7 +27,7 @@ steady-state cost). Each record:
 * ``overhead_seconds``: downtime minus one steady step on the new world (the downtime always holds one step's
   compute; on 2 shared CPU cores a ``llama_25m`` step takes seconds, so this is the part the path adds).
 
-    .venv/bin/python tools/bench_elastic.py --models tiny llama_25m --out bench_results/elastic.json
+    .venv/bin/python tools/bench_elastic.py --models tiny llama_125m --out bench_results/elastic.json
 
 The event itself is driven by :mod:`lightning_emig.testing.join_downtime` (shared with ``make demo``).
 """
@@ -42,12 +46,17 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from lightning_emig.testing.failure_downtime import measure_worker_failure  # noqa: E402
 from lightning_emig.testing.join_downtime import PATHS, measure_join  # noqa: E402
+
+EVENTS = ("join", "failure")
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["tiny", "llama_25m"])
+    p.add_argument("--events", nargs="+", default=list(EVENTS), choices=EVENTS,
+                   help="join: node B joins A (1 -> 2); failure: B's worker is SIGKILLed under HSDP (2 -> 1 live)")
     p.add_argument("--rounds", type=int, default=1, help="live then restart, this many times per model")
     p.add_argument("--join-after", type=int, default=5, help="B starts once A finished this many steps")
     p.add_argument("--steps-after", type=int, default=3, help="steps on the new world before stopping")
@@ -70,8 +79,11 @@ def train_args(args: argparse.Namespace, model: str) -> list[str]:
     ]
 
 
-def run_event(args: argparse.Namespace, model: str, path: str, run_dir: Path) -> dict[str, Any]:
-    """One join (world 1 -> 2) on the given path; returns its record."""
+def run_event(args: argparse.Namespace, event: str, model: str, path: str, run_dir: Path) -> dict[str, Any]:
+    """One event on the given path; returns its record."""
+    if event == "failure":
+        return measure_worker_failure(run_dir, train_args(args, model), path, model=model,
+                                      fail_after=args.join_after, steps_after=args.steps_after, timeout_s=args.timeout)
     return measure_join(run_dir, train_args(args, model), path, model=model, join_after=args.join_after,
                         steps_after=args.steps_after, timeout_s=args.timeout)
 
@@ -83,14 +95,16 @@ def main() -> None:
     records: list[dict[str, Any]] = []
     started = time.perf_counter()
     for model in args.models:
-        for round_index in range(args.rounds):
-            for path in PATHS:
-                record = run_event(args, model, path, work / f"{model}-{path}-{round_index}")
-                record["round"] = round_index
-                records.append(record)
-                print(f"{model:10s} {path:8s} round {round_index}: downtime {record['downtime_seconds']:.2f}s "
-                      f"recovery {record['recovery_seconds']:.2f}s rolled back {record['steps_rolled_back']} "
-                      f"phases " + ", ".join(f"{k} {v:.2f}" for k, v in record["phases"].items()), flush=True)
+        for event in args.events:
+            for round_index in range(args.rounds):
+                for path in PATHS:
+                    record = run_event(args, event, model, path, work / f"{model}-{event}-{path}-{round_index}")
+                    record["round"] = round_index
+                    records.append(record)
+                    print(f"{model:10s} {event:8s} {path:8s} round {round_index}: downtime "
+                          f"{record['downtime_seconds']:.2f}s "
+                                f"recovery {record['recovery_seconds']:.2f}s rolled back {record['steps_rolled_back']} "
+                          f"phases " + ", ".join(f"{k} {v:.2f}" for k, v in record["phases"].items()), flush=True)
     ratios = summarize(records)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
@@ -101,23 +115,26 @@ def main() -> None:
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Median over rounds per (model, path); prints and returns restart/live ratios."""
+    """Median over rounds per (model, event, path); prints and returns restart/live ratios keyed ``model`` (joins,
+    as before) and ``model/failure``."""
     ratios: dict[str, dict[str, float]] = {}
-    for model in dict.fromkeys(r["model"] for r in records):
+    for model, event in dict.fromkeys((r["model"], r["event"]) for r in records):
+        same = [r for r in records if r["model"] == model and r["event"] == event]
         med = {
-            path: {key: statistics.median(r[key] for r in records if r["model"] == model and r["path"] == path)
+            path: {key: statistics.median(r[key] for r in same if r["path"] == path)
                    for key in ("downtime_seconds", "recovery_seconds", "overhead_seconds")}
             for path in PATHS
         }
-        ratios[model] = {
+        key = model if event == "join" else f"{model}/{event}"
+        ratios[key] = {
             "live_downtime_seconds": med["live"]["downtime_seconds"],
             "restart_downtime_seconds": med["restart"]["downtime_seconds"],
             "downtime_ratio": med["restart"]["downtime_seconds"] / med["live"]["downtime_seconds"],
             "recovery_ratio": med["restart"]["recovery_seconds"] / med["live"]["recovery_seconds"],
             "overhead_ratio": med["restart"]["overhead_seconds"] / med["live"]["overhead_seconds"],
         }
-        r = ratios[model]
-        print(f"{model}: downtime live {r['live_downtime_seconds']:.2f}s, restart {r['restart_downtime_seconds']:.2f}s"
+        r = ratios[key]
+        print(f"{key}: downtime live {r['live_downtime_seconds']:.2f}s, restart {r['restart_downtime_seconds']:.2f}s"
               f" -> restart/live {r['downtime_ratio']:.1f}x (to regain the old step: {r['recovery_ratio']:.1f}x;"
               f" downtime minus one step: {r['overhead_ratio']:.1f}x)")
     return ratios

@@ -222,6 +222,7 @@ class MembershipAgent(LocalElasticAgent):
             )
             round_store.set(ROUND_GENERATION_KEY, str(generation))
         generation = int(round_store.get(ROUND_GENERATION_KEY))
+        control.delete_key(dead_key(self.node_id))  # this node is in a round again: any failure marker is history
         info = read_generation(control, generation)
         if generation == self.generation:
             logger.info("rendezvous round changed nothing (a joining node missed it); still generation %d",
@@ -258,7 +259,24 @@ class MembershipAgent(LocalElasticAgent):
             self._notice_at = time.monotonic()
         if self._notice_at is not None:
             self._announce_leaving()
-        return super()._monitor_workers(worker_group)
+        result = super()._monitor_workers(worker_group)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self._remaining_restarts == 0:
+            self._fail_without_restart()
+        return result
+
+    def _fail_without_restart(self) -> None:
+        """Our workers failed with no torchrun restart left: this node leaves; the survivors carry on without it.
+
+        torchrun would close the rendezvous on the way out (``launch_agent`` calls ``shutdown``), after which no node
+        could ever join the job again; and the survivors would wait for our heartbeats to go stale.
+        """
+        if not self.live_membership or self._control is None:
+            return
+        self._control.set(dead_key(self.node_id), json.dumps({"time": time.time(), "generation": self.generation}))
+        logger.error("[%s] WORKER FAILURE and no restart left (--max-restarts): this node leaves the job",
+                     self.node_id)
+        self._exit_rendezvous_round()
+        self._worker_group.spec.rdzv_handler.shutdown = lambda: True
 
     def _announce_leaving(self) -> None:
         if self._leaving_deadline is None:

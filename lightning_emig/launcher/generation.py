@@ -41,9 +41,10 @@ Keys under the prefix (the control store), for generation ``n``:
 * ``failure/<n>/...``: the survivors' agreement after a collective of generation ``n`` failed
   (see :mod:`lightning_emig.membership.failure`).
 
-One writer: each agent leaves its node entry in the rendezvous round's own store; the round's rank-0 agent
-gathers them, validates them, writes the generation's keys (``latest_generation`` last), and hands the number back to the round's agents
-through the round's store. A live round that changes nothing (every node kept its workers, every worker
+Writers: each agent leaves its node entry in the rendezvous round's own store; the round's rank-0 agent gathers
+them, validates them, writes the generation's keys (``latest_generation`` last), and hands the number back to the
+round's agents through the round's store. Workers publish too (a preemption drain, the survivors of a failure); the
+number comes from one counter and ``latest_generation`` only ever grows (``compare_set``). A live round that changes nothing (every node kept its workers, every worker
 keeps its rank: with torch's 1 s rendezvous polling a joining node can miss a short ``last_call_timeout``)
 publishes nothing and keeps the current number, so workers never see a no-op generation.
 
@@ -342,5 +343,16 @@ def publish_generation(
     for group_rank, node in enumerate(info.nodes):
         store.set(node_key(generation, group_rank), node.encode())
     store.set(world_key(generation), info.encode_world())
-    store.set(LATEST_GENERATION_KEY, str(generation))
+    _raise_latest(store, generation)
     return generation
+
+
+def _raise_latest(store: Store, generation: int) -> None:
+    """``latest_generation = max(latest_generation, generation)``, atomically: workers (a preemption drain, the
+    survivors of a failure) and the agents' rounds may publish at the same time."""
+    current = store.get(LATEST_GENERATION_KEY).decode() if store.check([LATEST_GENERATION_KEY]) else ""
+    while current == "" or int(current) < generation:
+        seen = store.compare_set(LATEST_GENERATION_KEY, current, str(generation)).decode()
+        if seen == str(generation):
+            return
+        current = seen

@@ -105,6 +105,7 @@ class RendezvousCallback(Callback):
             handoff.seconds.update(detect=detect, agree=agree)
             show_migration(trainer, "migrating (node leaving)")
             strategy.pending_handoff = drain_leavers(trainer, self._client, handoff)
+            strategy.last_boundary = None  # the drain re-laid the captured state out: it is no boundary state now
             trainer.should_stop = True
             return
         if latest <= strategy.generation:

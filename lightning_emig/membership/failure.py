@@ -118,15 +118,25 @@ def recover_from_failure(
     backend = _backend(strategy)
     started = time.perf_counter()
     log.error("COLLECTIVE FAILURE in generation %d on rank %d: %s", generation, rank, str(error).splitlines()[0][:200])
+    # Gloo has no abort: a group's sockets close only when nothing references it any more, and survivors blocked on
+    # *us* (not on the dead) learn of the failure only then, or at their collective timeout. So drop what holds the
+    # group (the traceback's frames, the mesh, the optimizers' DTensors; the caller dropped the model) first.
+    error.__traceback__ = None
+    strategy.release_process_groups()
     if dist.is_initialized():
-        dist.destroy_process_group()  # the others blocked on us learn at once; gloo has no abort
+        dist.destroy_process_group()
     client = control_client_from_env()
     info = read_generation(client, generation)
     step, consistent = _consistent_step(stash)
     client.set(report_key(generation, rank), json.dumps(
         {"node_id": node_id, "local_rank": local_rank, "step": step, "consistent": consistent}))
-    decision = _decide_survivors(client, info, settings)
+    # A survivor blocked on another survivor may only fail at its own collective timeout: wait at least that long.
+    patience = max(settings.failure_timeout_s,
+                   strategy.timeout.total_seconds() + settings.heartbeat_timeout_s + 10.0)
+    decision = _decide_survivors(client, info, settings, timeout_s=patience)
     detect = time.perf_counter() - started
+    if not decision["dead_nodes"]:  # everyone reported: no peer died, the error is not a failure we can mend
+        raise error
 
     started = time.perf_counter()
     survivors: list[int] = decision["survivors"]
@@ -156,9 +166,14 @@ def recover_from_failure(
     assert stash is not None and stash.state is not None
     try:
         handoff = _rebuild_from_replicas(strategy, stash, old_layout, old_world, new_layout, survivors, rank)
-    except (StateLostError, MigrationFailedError) as exc:
+    except Exception as exc:
+        if is_peer_failure(exc):  # another survivor died during the rebuild: no consistent group left
+            raise
+        # migrate() makes every process learn of a failure anywhere, so all survivors get here together.
         stash.state = None
-        rollback.reason = f"state held only by the dead node(s) has no surviving copy ({str(exc).splitlines()[0]})"
+        lost = isinstance(exc, (StateLostError, MigrationFailedError))
+        rollback.reason = (f"state held only by the dead node(s) has no surviving copy ({str(exc).splitlines()[0]})"
+                           if lost else f"rebuilding from replicas failed: {exc!r}")
         return _announce_rollback(rollback, my_new_rank)
     handoff.seconds = {**stash.seconds, **seconds, **handoff.seconds}
     handoff.generation = new_generation
@@ -185,21 +200,27 @@ def _consistent_step(stash: LiveHandoff | None) -> tuple[int, bool]:
     return step, applied == step
 
 
-def _decide_survivors(client: Any, info: GenerationInfo, settings: FailureSettings) -> dict[str, Any]:
-    """Wait until every rank of ``info`` reported or is dead; the first to see it writes the one decision."""
+def _decide_survivors(
+    client: Any, info: GenerationInfo, settings: FailureSettings, timeout_s: float | None = None
+) -> dict[str, Any]:
+    """Wait until every rank of ``info`` reported or is dead; the first to see it writes the one decision.
+
+    A node its agent marked dead is dead whatever its workers reported (the agent is stopping them).
+    """
     key = decision_key(info.generation)
-    deadline = time.monotonic() + settings.failure_timeout_s
+    timeout_s = settings.failure_timeout_s if timeout_s is None else timeout_s
+    deadline = time.monotonic() + timeout_s
     members = [(node.node_id, local_rank, rank) for node in info.nodes for local_rank, rank in enumerate(node.ranks)]
     while not client.check([key]):
         if time.monotonic() > deadline:
             raise RuntimeError(
                 f"could not tell the survivors of generation {info.generation} from the dead within "
-                f"{settings.failure_timeout_s:.0f}s (elastic.failure_timeout_s); giving up"
+                f"{timeout_s:.0f}s (elastic.failure_timeout_s, at least the collective timeout); giving up"
             )
         reported = {rank for _, _, rank in members if client.check([report_key(info.generation, rank)])}
         marked = {node for node, _, _ in members if client.check([dead_key(node)])}
-        dead_nodes = {node for node, local_rank, rank in members if rank not in reported and (
-            node in marked or heartbeat_age(client, node, local_rank) > settings.heartbeat_timeout_s)}
+        dead_nodes = marked | {node for node, local_rank, rank in members if rank not in reported
+                               and heartbeat_age(client, node, local_rank) > settings.heartbeat_timeout_s}
         accounted = all(rank in reported or node in dead_nodes for node, _, rank in members)
         if accounted:
             survivors = sorted(rank for node, _, rank in members if rank in reported and node not in dead_nodes)

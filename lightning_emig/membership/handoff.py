@@ -196,7 +196,7 @@ def join_live(
     totals: list[Any] = [None] * world
     dist.all_gather_object(totals, (report.stats.bytes_received, report.stats.bytes_copied))
     moved = [sum(t[0] for t in totals), sum(t[1] for t in totals)]
-    seconds["transfer"] = sum(report.seconds.values())
+    seconds["transfer"] = news.seconds.get("transfer", 0.0) + sum(report.seconds.values())
     result = JoinResult(
         old_layout=old_layout, old_world=news.old_world, bytes_moved=moved[0], bytes_copied_locally=moved[1],
         seconds={**news.seconds, **seconds}, last_step_wall=news.last_step_wall,

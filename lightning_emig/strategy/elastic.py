@@ -35,7 +35,12 @@ from lightning_emig.data.loader import MicroBatchLoader
 from lightning_emig.layout import HybridLayout, LayoutMesh, build_mesh
 from lightning_emig.migration.transfer import DEFAULT_BUCKET_BYTES
 from lightning_emig.strategy.async_checkpoint import AsyncCheckpointWriter
-from lightning_emig.strategy.boundary import StepBoundaryHook, _at_step_boundary, restart_training_iterator
+from lightning_emig.strategy.boundary import (
+    StepBoundaryHook,
+    _at_step_boundary,
+    rescale_batch_progress,
+    restart_training_iterator,
+)
 from lightning_emig.strategy.reconfigure import ReconfigureEvent, reconfigure_live
 from lightning_emig.strategy.rng import gather_rng_states, restore_rng_for_rank
 from lightning_emig.training.events import publish_event
@@ -142,6 +147,15 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
     def layout(self) -> HybridLayout:
         return self.layout_mesh.layout
 
+    def release_process_groups(self) -> None:
+        """After a peer's failure: drop this strategy's references to the broken groups (mesh, optimizers)."""
+        self._layout_mesh = None
+        self._device_mesh = None
+        if self.lightning_module is not None:
+            self.lightning_module._device_mesh = None
+        self.optimizers = []
+        self.lr_scheduler_configs = []
+
     @property
     def has_layout(self) -> bool:
         return self._layout_mesh is not None
@@ -168,6 +182,8 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         """This fit receives its state from running processes (``fit(ckpt_path="live")``)."""
         from lightning_emig.membership.group import joining_live
 
+        if self._rollback is not None:  # restores a checkpoint, even in a process that once joined live
+            return False
         return self._incoming_handoff is not None or joining_live()
 
     @override
@@ -263,6 +279,9 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         layout, self._pending_layout = self._pending_layout, None
         if layout is None:
             return
+        if self.pending_handoff is not None:  # its state is handed over as it is; the next fit picks the layout
+            log.warning("layout change to %s skipped: a membership change is handing the state over", layout.describe())
+            return
         self.last_boundary = None  # its tensors are released by the change; the next boundary captures anew
         event = reconfigure_live(self, trainer, layout)
         if event is not None:
@@ -357,8 +376,13 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         saved = checkpoint.get(CHECKPOINT_KEY, {})
         old_layout = HybridLayout(**saved["layout"]) if saved else self.layout
         old_world = int(saved.get("world_size", self.world_size))
-        reason = restart_reason()
+        reason = None if self._rollback is not None else restart_reason()
         step = int(checkpoint.get("global_step", 0))
+        # Saved under the old world's gradient accumulation; Lightning steps on this world's.
+        old_plan = BatchPlan(global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size,
+                             dp_degree=old_layout.dp)
+        if "loops" in checkpoint:
+            rescale_batch_progress(checkpoint, old_plan.grad_accumulation, self.batch_plan.grad_accumulation)
         self.resumed_from = ResumedCheckpoint(
             path=str(checkpoint_path), step=step, old_layout=old_layout.as_dict(), old_world=old_world,
             load_started=load_started, load_seconds=time.time() - load_started, restart_reason=reason,
@@ -427,6 +451,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             self.migrating = False
         self._join = (result, time.perf_counter())
         self.live_resume_step = result.step
+        os.environ.pop("LIGHTNING_EMIG_JOIN_LIVE", None)  # joined: from now on this process holds state
         self._stash_after_join(module, metadata, result.last_step_wall)
         if self.global_rank == 0:
             log.warning(

@@ -90,20 +90,29 @@ def join_record(run_dir: Path, path: str, *, model: str, old_world: int = 1) -> 
     event = _join_event(run_dir, EVENT_KIND[path], old_world)
     if event is None:
         raise RuntimeError(f"no {EVENT_KIND[path]} event from world {old_world} in {run_dir}")
+    return event_record(run_dir, "join", path, event, model=model)
+
+
+def event_record(run_dir: Path, name: str, path: str, event: dict[str, Any], *, model: str) -> dict[str, Any]:
+    """One benchmark record of ``event`` (a line of ``events.jsonl``), its step times read from ``run_dir``."""
     times = read_step_times(run_dir)
-    old = [t for t in times if t["world"] == old_world]
-    new = [t for t in times if t["world"] == old_world + 1]
-    last_old = old[-1]
+    # The event's downtime starts at the old world's last step; its step-times line is written a few ms after the
+    # moment the downtime is counted from (the boundary capture and check come first).
+    old_end = event["time"] - event["downtime_seconds"] + 0.25
+    last_old = max((t for t in times if t["time"] <= old_end and t["world"] == event["old_world"]),
+                   key=lambda t: t["time"])
+    old = [t for t in times if t["world"] == event["old_world"] and t["time"] <= last_old["time"]]
+    new = [t for t in times if t["time"] > last_old["time"]]
     beyond = next(t for t in new if t["step"] > last_old["step"])
-    step_new = median_step_seconds(new)
+    step_new = median_step_seconds([t for t in new if t["world"] == event["new_world"]])
     return {
-        "event": "join",
+        "event": name,
         "path": path,
         "model": model,
         "old_world": event["old_world"],
         "new_world": event["new_world"],
         "step": event["step"],
-        "steps_rolled_back": event.get("steps_rolled_back", 0),
+        "steps_rolled_back": event.get("steps_rolled_back") or 0,
         "downtime_seconds": event["downtime_seconds"],
         "downtime_from_step_times": new[0]["time"] - last_old["time"],
         "recovery_seconds": beyond["time"] - last_old["time"],

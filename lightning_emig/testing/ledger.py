@@ -145,8 +145,12 @@ def split_attempts(records: Iterable[Record]) -> list[list[Record]]:
     ordered = sorted(records, key=lambda r: (r["time"], r.get("file", ""), r.get("line", 0)))
     by_world: dict[tuple[Any, ...], list[list[Record]]] = {}
     for record in ordered:
-        world = (record.get("generation"), record.get("restart", 0), record.get("fit_start_step"),
-                 record["dp_degree"])
+        # Under lightning-emig-run every round (torchrun restarts included) is a generation of its own, and the
+        # workers of one generation may differ in torchrun's restart count (a failed node rejoined); under plain
+        # torchrun the generation stays 0 and the restart count tells attempts apart.
+        generation = record.get("generation")
+        restart = None if generation else record.get("restart", 0)
+        world = (generation, restart, record.get("fit_start_step"), record["dp_degree"])
         attempts = by_world.setdefault(world, [[]])
         slot = (record["dp_rank"], record["micro_step"])
         if any((r["dp_rank"], r["micro_step"]) == slot for r in attempts[-1]):

@@ -67,6 +67,11 @@ class LlamaLightningModule(pl.LightningModule):
         self.model = model
 
     @override
+    def on_train_start(self) -> None:
+        # The module outlives a fit that a peer's failure cut short mid-step: drop that step's partial loss.
+        self._loss_sum, self._micro_batches = None, 0
+
+    @override
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         assert self.model is not None, "configure_model has not run"
         return self.model(tokens)
