@@ -105,8 +105,10 @@ def main() -> None:
                           f"{record['downtime_seconds']:.2f}s "
                                 f"recovery {record['recovery_seconds']:.2f}s rolled back {record['steps_rolled_back']} "
                           f"phases " + ", ".join(f"{k} {v:.2f}" for k, v in record["phases"].items()), flush=True)
-    ratios = summarize(records)
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()}, "records": records},
+                                   indent=2))
+    ratios = summarize(records)
     args.out.write_text(json.dumps({
         "config": {k: str(v) for k, v in vars(args).items()}, "records": records, "ratios": ratios,
         "seconds": time.perf_counter() - started,
@@ -121,7 +123,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     for model, event in dict.fromkeys((r["model"], r["event"]) for r in records):
         same = [r for r in records if r["model"] == model and r["event"] == event]
         med = {
-            path: {key: statistics.median(r[key] for r in same if r["path"] == path)
+            path: {key: _median([r[key] for r in same if r["path"] == path])
                    for key in ("downtime_seconds", "recovery_seconds", "overhead_seconds")}
             for path in PATHS
         }
@@ -129,15 +131,24 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         ratios[key] = {
             "live_downtime_seconds": med["live"]["downtime_seconds"],
             "restart_downtime_seconds": med["restart"]["downtime_seconds"],
-            "downtime_ratio": med["restart"]["downtime_seconds"] / med["live"]["downtime_seconds"],
-            "recovery_ratio": med["restart"]["recovery_seconds"] / med["live"]["recovery_seconds"],
-            "overhead_ratio": med["restart"]["overhead_seconds"] / med["live"]["overhead_seconds"],
+            **{f"{name}_ratio": _ratio(med["restart"][f"{name}_seconds"], med["live"][f"{name}_seconds"])
+               for name in ("downtime", "recovery", "overhead")},
         }
         r = ratios[key]
+        overhead = f"{r['overhead_ratio']:.1f}x" if r["overhead_ratio"] is not None else "n/a (too few steps after)"
         print(f"{key}: downtime live {r['live_downtime_seconds']:.2f}s, restart {r['restart_downtime_seconds']:.2f}s"
               f" -> restart/live {r['downtime_ratio']:.1f}x (to regain the old step: {r['recovery_ratio']:.1f}x;"
-              f" downtime minus one step: {r['overhead_ratio']:.1f}x)")
+              f" downtime minus one step: {overhead})")
     return ratios
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def _ratio(restart: float | None, live: float | None) -> float | None:
+    return restart / live if restart is not None and live else None
 
 
 if __name__ == "__main__":
