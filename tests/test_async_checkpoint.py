@@ -117,6 +117,7 @@ def test_an_async_checkpoint_is_written_while_training_goes_on_and_resumes_bit_e
 
 
 def _failing_save(rank: int, world: int, root: str) -> dict[str, Any]:
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
@@ -135,6 +136,7 @@ def _failing_save(rank: int, world: int, root: str) -> dict[str, Any]:
 
     writer.save(checkpoint(1), path)
     first = writer.wait(), is_complete(path)
+    dist.barrier()  # rank 0's next save clears the markers first: every rank looks before it does
 
     write_data = FileSystemWriter.write_data
 
@@ -146,6 +148,7 @@ def _failing_save(rank: int, world: int, root: str) -> dict[str, Any]:
     FileSystemWriter.write_data = broken_write_data  # type: ignore[method-assign]
     writer.save(checkpoint(2), path)
     failed = writer.wait(), is_complete(path)
+    dist.barrier()
 
     FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
     writer.save(checkpoint(3), path)

@@ -180,7 +180,8 @@ def test_a_killed_worker_is_rebuilt_from_replicas_without_losing_a_step(tmp_path
     assert ("join", 1, 2) in kinds[kinds.index(("failure", 2, 1)):], f"B did not rejoin: {kinds}"
     assert "rebuilt from replicas" in (tmp_path / "a.log").read_text()
     checked = _check_losses_and_ledger(tmp_path, run_dir, a_workers)
-    assert not checked["ledger"].rolled_back_steps
+    # Only the step in flight when B died may show two attempts (cut short, then trained from the same state).
+    assert set(checked["ledger"].rolled_back_steps) <= {failure["step"]}, checked["ledger"].describe()
     print(f"\nworker killed at step {failure['step']}: downtime {failure['downtime_seconds']:.2f}s; phases "
           + ", ".join(f"{k} {v:.3f}s" for k, v in failure["seconds"].items())
           + f"; worst relative loss gap {checked['worst']:.1e}")
