@@ -190,8 +190,6 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         from lightning_emig.membership.group import under_launcher
 
-        _terminate_on_sigterm_under_torchrun()
-
         if under_launcher():
             from lightning_emig.membership.heartbeat import start_heartbeat
 
@@ -489,6 +487,11 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         ))
 
     @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        _terminate_on_sigterm_under_torchrun()  # Lightning registered its own handler just before this fit
+
+    @override
     def teardown(self) -> None:
         # Never lose the last periodic checkpoint; after a failure (a peer may be dead) do not wait for it.
         trainer = getattr(self.lightning_module, "_trainer", None)
@@ -521,7 +524,7 @@ def _start_generation() -> int:
 def _terminate_on_sigterm_under_torchrun() -> None:
     """Let torchrun's agent stop a worker with SIGTERM, as it expects.
 
-    Lightning 2.6 installs a SIGTERM handler (just before the strategy's ``setup_environment``) that runs a
+    Lightning 2.6 installs a SIGTERM handler (at every fit, after the strategy's setup) that runs a
     ``dist.broadcast`` inside the handler and then ignores the signal: a worker told to stop mid-collective hangs
     with its peers until the agent's SIGKILL 30 s later — the restart path's stop would cost half a minute. Under
     torchrun the agent owns the workers' lifecycle, so the default action (terminate) is restored.
