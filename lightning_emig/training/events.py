@@ -90,16 +90,9 @@ def append_event(run_dir: Path, record: dict[str, Any]) -> None:
 
 def read_events(run_dir: Path) -> list[dict[str, Any]]:
     """Every complete line of ``events.jsonl`` (a process killed mid-write leaves a partial last line)."""
-    path = run_dir / EVENTS_FILE
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
+    from lightning_emig.training.jsonl import read_complete_lines
+
+    return read_complete_lines(run_dir / EVENTS_FILE)
 
 
 def event_metrics(record: dict[str, Any]) -> dict[str, float]:

@@ -38,16 +38,9 @@ STEP_TIMES_FILE = "step_times.jsonl"
 
 def read_step_times(run_dir: Path) -> list[dict[str, Any]]:
     """Every complete line of ``step_times.jsonl`` (a process killed mid-write leaves a partial last line)."""
-    path = run_dir / STEP_TIMES_FILE
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
+    from lightning_emig.training.jsonl import read_complete_lines
+
+    return read_complete_lines(run_dir / STEP_TIMES_FILE)
 
 
 class StepTimeRecorder(Callback):
