@@ -27,6 +27,7 @@ from lightning_emig.testing.commands import kill_tree
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.nodes import log_tail, start_node, wait_for
 from lightning_emig.training.events import read_events
+from lightning_emig.training.resume import newest_checkpoint
 from lightning_emig.training.step_times import read_step_times
 
 PATHS: dict[str, dict[str, str]] = {"live": {}, "restart": {"LIGHTNING_EMIG_LIVE_MEMBERSHIP": "0"}}
@@ -63,8 +64,9 @@ def measure_join(
             raise RuntimeError("an agent exited:\n" + "\n".join(log_tail(run_dir.parent, n) for n in agents))
 
     def ready() -> bool:
+        # A complete checkpoint first: the restart path resumes from it (a newer one may still be in flight).
         check_agents((None,))
-        return last_step(run_dir, nodes_before) >= join_after
+        return last_step(run_dir, nodes_before) >= join_after and newest_checkpoint(run_dir / "checkpoints") is not None
 
     def joined() -> bool:
         check_agents((None, 0))

@@ -26,7 +26,7 @@ from typing_extensions import override
 
 from lightning_emig.strategy.boundary import _at_step_boundary
 from lightning_emig.strategy.reconfigure import ReconfigureEvent
-from lightning_emig.training.resume import process_start_wall
+from lightning_emig.training.resume import process_start_wall, restart_reason
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -55,6 +55,20 @@ class StepTimeRecorder(Callback):
         if trainer.global_rank == 0:
             records = read_step_times(self.run_dir)
             self._previous = records[-1] if records else None
+            strategy: Any = trainer.strategy
+            reason = restart_reason()
+            if reason is not None and getattr(strategy, "resumed_from", "n/a") is None and self._previous is not None:
+                # Restarted, but no complete checkpoint to resume from (e.g. the newest was still being written
+                # when the workers were stopped): the job starts over, and that is a restart event too.
+                from lightning_emig.strategy.elastic import ResumedCheckpoint
+
+                log.warning("RESTART (%s) from step 0: no complete checkpoint; %d step(s) will be recomputed",
+                            reason, self._previous["step"])
+                strategy.resumed_from = ResumedCheckpoint(
+                    # Without a checkpoint the old layout is unknown here: the new one stands in.
+                    path="", step=0, old_layout=strategy.layout.as_dict(), old_world=int(self._previous["world"]),
+                    load_started=time.time(), load_seconds=0.0, restart_reason=reason,
+                )
 
     @override
     def on_train_batch_end(
