@@ -58,6 +58,7 @@ from lightning_emig.launcher.generation import (
     dead_key,
     latest_generation,
     leaving_key,
+    make_node_id,
     publish_generation,
     read_generation,
     restart_key,
@@ -111,7 +112,7 @@ class MembershipAgent(LocalElasticAgent):
             live_membership = os.environ.get(ENV_LIVE_MEMBERSHIP, "1") != "0"
         self.live_membership = live_membership
         spec = self._worker_group.spec
-        self.node_id = f"{spec.local_addr or socket.getfqdn()}_{os.getpid()}"
+        self.node_id = make_node_id(spec.local_addr or socket.getfqdn(), os.getpid())
         self.generation = -1
         self._control: dist.Store | None = None
         self._control_address = ""

@@ -104,6 +104,16 @@ def leaving_key(node_id: str) -> str:
     return f"leaving/{node_id}"
 
 
+def make_node_id(host: str, agent_pid: int) -> str:
+    """``LIGHTNING_EMIG_NODE_ID`` of an agent: ``"<local addr>_<agent pid>"``."""
+    return f"{host}_{agent_pid}"
+
+
+def node_host(node_id: str) -> str:
+    """The host part of a :func:`make_node_id` id (where a process of that node can host a store)."""
+    return node_id.rsplit("_", 1)[0]
+
+
 def heartbeat_key(node_id: str, local_rank: int) -> str:
     return f"hb/{node_id}/{local_rank}"
 

@@ -38,6 +38,7 @@ from lightning_emig.launcher.generation import (
     GenerationInfo,
     control_client_from_env,
     dead_key,
+    node_host,
     read_generation,
 )
 from lightning_emig.membership.handoff import LiveHandoff, layout_for_new_world
@@ -146,7 +147,8 @@ def recover_from_failure(
         ) from error
     reports = {r: json.loads(client.get(report_key(generation, r))) for r in survivors}
     new_rank_of = {old: new for new, old in enumerate(survivors)}
-    new_generation = _publish_or_wait(client, info, generation, new_rank_of, rank == survivors[0], settings)
+    publisher_host = node_host(node_id) if rank == survivors[0] else None  # new rank 0 hosts the new store
+    new_generation = _publish_or_wait(client, info, generation, new_rank_of, publisher_host, settings)
     new_info = read_generation(client, new_generation)
     _form_group(new_info, node_id, local_rank, backend, strategy.timeout)
     agree = time.perf_counter() - started
@@ -177,7 +179,6 @@ def recover_from_failure(
         return _announce_rollback(rollback, my_new_rank)
     handoff.seconds = {**stash.seconds, **seconds, **handoff.seconds}
     handoff.generation = new_generation
-    handoff.group_ready = True
     assert handoff.prior is not None
     handoff.prior.update(kind="failure", dead_nodes=decision["dead_nodes"], steps_rolled_back=0)
     if my_new_rank == 0:
@@ -232,16 +233,15 @@ def _decide_survivors(
 
 
 def _publish_or_wait(
-    client: Any, info: GenerationInfo, generation: int, new_rank_of: dict[int, int], publisher: bool,
+    client: Any, info: GenerationInfo, generation: int, new_rank_of: dict[int, int], host: str | None,
     settings: FailureSettings,
 ) -> int:
-    """The lowest survivor publishes the survivors' generation (store on its host); the others read its number."""
+    """The lowest survivor (given its ``host``) publishes the survivors' generation, its store on that host; the
+    others (``host=None``) read its number."""
     from lightning_emig.membership.preempt import publish_survivors
 
     key = new_generation_key(generation)
-    if publisher:
-        node = next(n for n in info.nodes if any(r in new_rank_of and new_rank_of[r] == 0 for r in n.ranks))
-        host = node.node_id.rsplit("_", 1)[0]
+    if host is not None:
         client.set(key, str(publish_survivors(client, info, new_rank_of, host)))
     deadline = time.monotonic() + settings.failure_timeout_s
     while not client.check([key]):

@@ -71,9 +71,6 @@ class LiveHandoff:
     :mod:`~lightning_emig.membership.preempt`): the event's ``kind``, old layout and world, bytes moved."""
     leaving: bool = False
     """This process's node was preempted: its state was handed over, it leaves the job (no next fit)."""
-    group_ready: bool = False
-    """The process group of ``generation`` is already formed (after an abrupt failure the survivors formed it to
-    rebuild their state)."""
 
     @property
     def optimizer_template(self) -> dict[str, ShardingSpec]:

@@ -33,6 +33,7 @@ from lightning_emig.launcher.generation import (
     NodeEntry,
     latest_generation,
     leaving_key,
+    node_host,
     publish_generation,
     read_generation,
 )
@@ -132,7 +133,7 @@ def drain_leavers(trainer: pl.Trainer, client: Any, handoff: LiveHandoff) -> Liv
     master = survivors[0]
     box = [pending]
     if rank == master and pending is None:
-        host = info.master_addr if master == 0 else node_of[master].rsplit("_", 1)[0]
+        host = info.master_addr if master == 0 else node_host(node_of[master])
         own_client = client if client is not None else control_client_from_env()
         box[0] = publish_survivors(own_client, info, new_rank_of, host)
     if pending is None:
