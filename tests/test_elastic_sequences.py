@@ -47,7 +47,8 @@ from lightning_emig.testing.commands import descendants, is_alive, kill_tree
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.held_train import ENV_HOLD_LEAVING_EXIT, ENV_HOLD_UNTIL_GENERATION
 from lightning_emig.testing.ledger import check_ledger
-from lightning_emig.testing.nodes import log_tail, reference_losses, start_node, wait_for
+from lightning_emig.testing.nodes import log_tail, start_node, wait_for, worst_loss_gap
+from lightning_emig.training.events import read_events
 from lightning_emig.training.step_times import read_step_times
 
 MAX_STEPS = 250
@@ -124,11 +125,6 @@ class Nodes:
                     self.started[name].update(descendants(proc.pid))
 
 
-def _events(run_dir: Path) -> list[dict]:
-    path = run_dir / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def _steps_on_world(run_dir: Path, world: int) -> int:
     return sum(1 for record in read_step_times(run_dir) if record["world"] == world)
 
@@ -140,7 +136,7 @@ def _check_run(nodes: Nodes, a_workers: list[int], *, final_world: int) -> tuple
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["pid"] in a_workers, "node A's worker was restarted (rank 0 of the final world is A's)"
     assert summary["world_size"] == final_world and summary["layout"]["dp_shard"] == final_world
-    events = _events(run_dir)
+    events = read_events(run_dir)
     for before, after in zip(events, events[1:], strict=False):
         assert after["old_world"] == before["new_world"], f"events do not chain: {events}"
         assert after["step"] >= before["step"], events
@@ -155,8 +151,7 @@ def _check_run(nodes: Nodes, a_workers: list[int], *, final_world: int) -> tuple
 
     losses = summary["step_losses"]
     assert sorted(int(k) for k in losses) == list(range(MAX_STEPS))
-    reference = reference_losses(nodes.tmp_path, TRAIN)
-    worst = max(abs(losses[k] - reference[k]) / abs(reference[k]) for k in reference)
+    worst = worst_loss_gap(nodes.tmp_path, TRAIN, losses)
     assert worst < REL_TOL, f"loss curve departs from the reference by {worst:.2e} (relative)"
     print(f"\n{[(e['kind'], e['old_world'], e['new_world'], e['step']) for e in events]}; worst relative loss gap "
           f"{worst:.1e}; ledger: {report.describe()}")

@@ -37,7 +37,8 @@ from lightning_emig.membership.failure import (
 from lightning_emig.testing.commands import descendants, is_alive, kill_tree
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.nodes import log_tail as _log
-from lightning_emig.testing.nodes import reference_losses, start_node, wait_for
+from lightning_emig.testing.nodes import start_node, wait_for, worst_loss_gap
+from lightning_emig.training.events import read_events
 
 MAX_STEPS = 200
 TRAIN = ["data=synthetic", "model=tiny", f"trainer.max_steps={MAX_STEPS}", "trainer.global_batch_size=8",
@@ -101,11 +102,6 @@ def test_the_first_decision_wins() -> None:
 # --- end to end ------------------------------------------------------------------------------------
 
 
-def _events(run_dir: Path) -> list[dict]:
-    path = run_dir / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def _run_two_nodes_and_kill(tmp_path: Path, layout: list[str], kill: str) -> tuple[Path, list[int]]:
     """A + B as a world of two; after a checkpoint on it, kill B's worker (``worker``) or node B whole (``node``)."""
     port = free_port()
@@ -118,10 +114,10 @@ def _run_two_nodes_and_kill(tmp_path: Path, layout: list[str], kill: str) -> tup
         agents["b"] = start_node(tmp_path, "b", local_addr="127.0.0.3", port=port, run_dir=run_dir, rdzv_id="fail",
                                  rdzv_conf="is_host=false", train_args=args, max_restarts=1)
         wait_for(lambda: "generation 0: world 2 on 2 node(s)" in (tmp_path / "a.log").read_text()
-                 or any(e["kind"] == "join" for e in _events(run_dir))
+                 or any(e["kind"] == "join" for e in read_events(run_dir))
                  or any(p.poll() is not None for p in agents.values()),
                  120, f"no world of two:\n{_log(tmp_path, 'a')}\n{_log(tmp_path, 'b')}")
-        start = max([e["step"] for e in _events(run_dir)], default=0)
+        start = max([e["step"] for e in read_events(run_dir)], default=0)
         after = (start // 10 + 2) * 10
         wait_for(lambda: (run_dir / "checkpoints" / f"step{after:06d}.ckpt" / ".metadata").exists()
                  or any(p.poll() is not None for p in agents.values()),
@@ -158,8 +154,7 @@ def _check_losses_and_ledger(tmp_path: Path, run_dir: Path, a_workers: list[int]
     assert summary["pid"] in a_workers, "node A's worker was restarted"
     losses = summary["step_losses"]
     assert sorted(int(k) for k in losses) == list(range(MAX_STEPS))
-    reference = reference_losses(tmp_path, TRAIN)
-    worst = max(abs(losses[k] - reference[k]) / abs(reference[k]) for k in reference)
+    worst = worst_loss_gap(tmp_path, TRAIN, losses)
     assert worst < REL_TOL, f"loss curve departs from the reference by {worst:.2e} (relative)"
     report = check_ledger(run_dir)
     report.assert_exactly_once()
@@ -171,7 +166,7 @@ def _check_losses_and_ledger(tmp_path: Path, run_dir: Path, a_workers: list[int]
 @pytest.mark.timeout(420)
 def test_a_killed_worker_is_rebuilt_from_replicas_without_losing_a_step(tmp_path: Path) -> None:
     run_dir, a_workers = _run_two_nodes_and_kill(tmp_path, ["layout=hsdp"], kill="worker")
-    events = _events(run_dir)
+    events = read_events(run_dir)
     kinds = [(e["kind"], e["old_world"], e["new_world"]) for e in events]
     failure = next(e for e in events if e["kind"] == "failure")
     assert failure["old_world"] == 2 and failure["new_world"] == 1, events
@@ -192,7 +187,7 @@ def test_a_killed_worker_is_rebuilt_from_replicas_without_losing_a_step(tmp_path
 @pytest.mark.timeout(420)
 def test_a_killed_node_without_replicas_rolls_back_to_the_last_checkpoint(tmp_path: Path) -> None:
     run_dir, a_workers = _run_two_nodes_and_kill(tmp_path, ["layout=fsdp"], kill="node")
-    events = _events(run_dir)
+    events = read_events(run_dir)
     failure = events[-1]
     assert (failure["kind"], failure["old_world"], failure["new_world"]) == ("failure", 2, 1), events
     assert failure["step"] % 10 == 0, "did not resume from a periodic checkpoint"
@@ -249,7 +244,26 @@ def test_below_the_minimum_the_survivor_waits_with_its_state_for_a_joiner(tmp_pa
     times = read_step_times(run_dir)
     assert all(t["world"] == 2 for t in times), "a step ran on the world of one, below MIN"
     assert len(times) > steps_when_waiting
-    kinds = [(e["kind"], e["old_world"], e["new_world"]) for e in _events(run_dir)]
+    kinds = [(e["kind"], e["old_world"], e["new_world"]) for e in read_events(run_dir)]
     assert kinds[-2:] == [("failure", 2, 1), ("join", 1, 2)], kinds
     checked = _check_losses_and_ledger(tmp_path, run_dir, a_workers)
     assert checked["summary"]["world_size"] == 2
+
+
+def test_workers_under_torchrun_terminate_on_sigterm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning's SIGTERM handler runs a collective and ignores the signal; under torchrun the default comes back."""
+    from lightning_emig.strategy.elastic import _terminate_on_sigterm_under_torchrun
+
+    def ignore(signum: int, frame: object) -> None:  # what Lightning's handler amounts to
+        pass
+
+    previous = signal.signal(signal.SIGTERM, ignore)
+    try:
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+        _terminate_on_sigterm_under_torchrun()
+        assert signal.getsignal(signal.SIGTERM) is ignore  # not launched by torchrun: Lightning's choice stands
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+        _terminate_on_sigterm_under_torchrun()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)

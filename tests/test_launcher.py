@@ -353,3 +353,12 @@ def test_joining_node_is_handed_to_the_live_worker_without_restart(tmp_path: Pat
         f"{a['rendezvous_seconds']:.2f}s); A's worker switched groups {a['switch_seconds']:.2f}s after seeing "
         f"generation 1; B start to both agents done {elapsed:.1f}s"
     )
+
+
+def test_latest_generation_only_grows_whoever_publishes_last() -> None:
+    from lightning_emig.launcher.generation import _raise_latest, latest_generation
+
+    store = dist.PrefixStore("lightning_emig/r/", dist.HashStore())
+    for published, expected in ((0, 0), (3, 3), (2, 3), (4, 4)):  # a slower publisher of 2 must not undo 3
+        _raise_latest(store, published)
+        assert latest_generation(store) == expected

@@ -32,8 +32,9 @@ from lightning_emig.testing.commands import (
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.ledger import check_ledger
 from lightning_emig.testing.nodes import log_tail as _log
-from lightning_emig.testing.nodes import reference_losses, start_node
+from lightning_emig.testing.nodes import start_node, worst_loss_gap
 from lightning_emig.testing.nodes import wait_for as _wait_for
+from lightning_emig.training.events import read_events
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_STEPS = 300
@@ -112,7 +113,7 @@ def test_a_node_joins_live_training_without_restarting_the_survivor(tmp_path: Pa
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["pid"] in a_workers, "node A's worker was restarted (rank 0 of the final world is A's)"
     assert summary["world_size"] == 2 and summary["layout"]["dp_shard"] == 2
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    events = read_events(run_dir)
     assert [(e["kind"], e["old_world"], e["new_world"]) for e in events] == [("join", 1, 2)], events
     (join,) = events
     assert join["bytes_moved"] > 0
@@ -125,8 +126,7 @@ def test_a_node_joins_live_training_without_restarting_the_survivor(tmp_path: Pa
 
     losses = summary["step_losses"]
     assert sorted(int(k) for k in losses) == list(range(MAX_STEPS))
-    reference = reference_losses(tmp_path, TRAIN)
-    worst = max(abs(losses[k] - reference[k]) / abs(reference[k]) for k in reference)
+    worst = worst_loss_gap(tmp_path, TRAIN, losses)
     assert worst < REL_TOL, f"loss curve departs from the reference by {worst:.2e} (relative)"
     agree = summary["agree_seconds"]
     print(

@@ -30,7 +30,8 @@ from lightning_emig.testing.commands import (
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.ledger import check_ledger
 from lightning_emig.testing.nodes import log_tail as _log
-from lightning_emig.testing.nodes import reference_losses, start_node, wait_for
+from lightning_emig.testing.nodes import start_node, wait_for, worst_loss_gap
+from lightning_emig.training.events import read_events
 
 MAX_STEPS = 150
 TRAIN = ["data=synthetic", "model=tiny", f"trainer.max_steps={MAX_STEPS}", "trainer.global_batch_size=8",
@@ -47,11 +48,6 @@ def _start_node(log_dir: Path, name: str, local_addr: str, port: int, run_dir: P
         rdzv_conf=f"is_host={str(hosts_store).lower()}", env={"LIGHTNING_EMIG_GRACE_S": "60"},
         train_args=[*TRAIN, "trainer.checkpoint_every_n_steps=10", "data.ledger=true"],
     )
-
-
-def _events(run_dir: Path) -> list[dict]:
-    path = run_dir / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def test_batch_counters_are_re_expressed_for_the_new_accumulation() -> None:
@@ -79,11 +75,11 @@ def test_a_preempted_node_hands_off_its_state_and_the_survivor_continues(tmp_pat
         agents["a"] = _start_node(tmp_path, "a", "127.0.0.2", port, run_dir, hosts_store=True)
         agents["b"] = _start_node(tmp_path, "b", "127.0.0.3", port, run_dir, hosts_store=False)
         wait_for(lambda: "generation 0: world 2 on 2 node(s)" in (tmp_path / "a.log").read_text()
-                 or any(e["kind"] == "join" for e in _events(run_dir))
+                 or any(e["kind"] == "join" for e in read_events(run_dir))
                  or any(p.poll() is not None for p in agents.values()),
                  120, f"the two nodes did not form a world of two:\n{_log(tmp_path, 'a')}\n{_log(tmp_path, 'b')}")
         # A few steps on the world of two (a checkpoint every 10 steps), then the notice.
-        start = max([e["step"] for e in _events(run_dir)], default=0)
+        start = max([e["step"] for e in read_events(run_dir)], default=0)
         after = (start // 10 + 2) * 10
         wait_for(lambda: (run_dir / "checkpoints" / f"step{after:06d}.ckpt").exists()
                  or any(p.poll() is not None for p in agents.values()),
@@ -108,7 +104,7 @@ def test_a_preempted_node_hands_off_its_state_and_the_survivor_continues(tmp_pat
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["pid"] in a_workers, "node A's worker was restarted"
     assert summary["world_size"] == 1
-    events = _events(run_dir)
+    events = read_events(run_dir)
     kinds = [(e["kind"], e["old_world"], e["new_world"]) for e in events]
     assert kinds in ([("preempt", 2, 1)], [("join", 1, 2), ("preempt", 2, 1)]), events
     preempt = events[-1]
@@ -123,8 +119,7 @@ def test_a_preempted_node_hands_off_its_state_and_the_survivor_continues(tmp_pat
 
     losses = summary["step_losses"]
     assert sorted(int(k) for k in losses) == list(range(MAX_STEPS))
-    reference = reference_losses(tmp_path, TRAIN)
-    worst = max(abs(losses[k] - reference[k]) / abs(reference[k]) for k in reference)
+    worst = worst_loss_gap(tmp_path, TRAIN, losses)
     assert worst < REL_TOL, f"loss curve departs from the reference by {worst:.2e} (relative)"
     print(
         f"\npreemption at step {preempt['step']}: downtime {preempt['downtime_seconds']:.2f}s, "

@@ -28,7 +28,8 @@ from lightning_emig.testing.commands import (
 )
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.ledger import check_ledger
-from lightning_emig.testing.nodes import log_tail, reference_losses, start_node, wait_for
+from lightning_emig.testing.nodes import log_tail, start_node, wait_for, worst_loss_gap
+from lightning_emig.training.events import read_events
 from lightning_emig.training.resume import (
     FoundCheckpoint,
     newest_checkpoint,
@@ -73,7 +74,7 @@ def test_a_join_under_torchrun_restarts_workers_and_resumes_from_the_newest_chec
             kill_tree(proc.pid)
             proc.wait(timeout=10)
 
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    events = read_events(run_dir)
     assert [(e["kind"], e["old_world"], e["new_world"]) for e in events] == [("restart", 1, 2)], events
     (restart,) = events
     resumed = restart["step"]
@@ -101,8 +102,7 @@ def test_a_join_under_torchrun_restarts_workers_and_resumes_from_the_newest_chec
     summary = json.loads((run_dir / "summary.json").read_text())
     losses = summary["step_losses"]
     assert sorted(int(k) for k in losses) == list(range(resumed, MAX_STEPS))
-    reference = reference_losses(tmp_path, TRAIN)
-    worst = max(abs(losses[k] - reference[k]) / abs(reference[k]) for k in losses)
+    worst = worst_loss_gap(tmp_path, TRAIN, losses, steps=losses)
     assert worst < REL_TOL, f"resumed loss curve departs from the reference by {worst:.2e} (relative)"
     print(
         f"\nrestart-path join: resumed at step {resumed}, {restart['steps_rolled_back']} step(s) recomputed, "

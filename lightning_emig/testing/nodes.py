@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,3 +67,11 @@ def reference_losses(tmp_path: Path, train_args: Sequence[str]) -> dict[str, flo
     result = run_command(cmd, timeout_s=120, cwd=REPO, env={"OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-4000:]
     return json.loads((run_dir / "summary.json").read_text())["step_losses"]
+
+
+def worst_loss_gap(tmp_path: Path, train_args: Sequence[str], losses: Mapping[str, float],
+                   steps: Iterable[str] | None = None) -> float:
+    """Largest relative gap between ``losses`` and :func:`reference_losses`, over ``steps`` (default: every step of
+    the reference run)."""
+    reference = reference_losses(tmp_path, train_args)
+    return max(abs(losses[k] - reference[k]) / abs(reference[k]) for k in (reference if steps is None else steps))
