@@ -22,12 +22,13 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-from lightning_emig.launcher.generation import GenerationInfo, NodeEntry, dead_key, heartbeat_key
+from lightning_emig.launcher.generation import GenerationInfo, NodeEntry, dead_key, heartbeat_key, worker_env
 from lightning_emig.membership.failure import (
     FailureSettings,
     _decide_survivors,
@@ -57,6 +58,27 @@ def test_peer_failures_are_told_from_bugs() -> None:
     assert is_peer_failure(dist.DistBackendError("NCCL communicator was aborted"))
     assert not is_peer_failure(ValueError("bad shape"))
     assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+_BUSY_HEARTBEAT_THEN_EXIT = """
+import time
+from lightning_emig.membership.heartbeat import start_heartbeat
+beat = start_heartbeat(1e-4)  # the thread is nearly always inside a store call
+time.sleep(0.2)
+assert beat.running
+"""
+
+
+def test_a_process_exits_cleanly_while_its_heartbeat_writes() -> None:
+    # A daemon thread caught inside a store call at interpreter exit aborts the process (SIGABRT); a preempted worker
+    # that had handed its state over then exited as failed (seen once in CI). The heartbeat is joined at exit.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {**os.environ, **worker_env(node_id="n", control_address=f"127.0.0.1:{store.port}", prefix="hb-test",
+                                      generation=0, join_live=False), "LOCAL_RANK": "0"}
+    codes = [subprocess.run([sys.executable, "-c", _BUSY_HEARTBEAT_THEN_EXIT], env=env, timeout=60,
+                            capture_output=True, text=True) for _ in range(2)]
+    assert [c.returncode for c in codes] == [0, 0], [c.stderr[-2000:] for c in codes]
+    assert float(dist.PrefixStore("hb-test", store).get(heartbeat_key("n", 0))) > 0
 
 
 def _generation(nodes: dict[str, list[int]]) -> GenerationInfo:

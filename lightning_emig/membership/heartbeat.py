@@ -6,10 +6,15 @@ never shared). After a collective fails, :mod:`~lightning_emig.membership.failur
 has not reported in and whose heartbeat is older than the configured timeout is taken for dead. Writing from a
 thread keeps beating while the training thread is blocked in a collective (gloo releases the GIL), so a live
 peer stuck behind the dead one still looks alive.
+
+The thread is stopped and joined at interpreter exit (``atexit``): a daemon thread caught inside a store call (GIL
+released) while the interpreter finalizes is ended with ``pthread_exit``, whose unwinding through torch's C++ aborts
+the process (SIGABRT) — a worker that had cleanly handed its state over would then exit as failed.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -23,23 +28,35 @@ _beating: Heartbeat | None = None
 
 
 class Heartbeat:
-    """The heartbeat thread of this process (one per process, started once, lives as long as the process)."""
+    """The heartbeat thread of this process (one per process, started once, runs until :meth:`stop` or exit)."""
 
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
         self.key = heartbeat_key(os.environ[ENV_NODE_ID], int(os.environ["LOCAL_RANK"]))
-        self._client = control_client_from_env(timeout_s=max(10.0, 4 * interval_s))
+        self._store_timeout_s = max(10.0, 4 * interval_s)
+        self._client = control_client_from_env(timeout_s=self._store_timeout_s)
+        self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lightning-emig-heartbeat", daemon=True)
         self._client.set(self.key, str(time.time()))
         self._thread.start()
 
     def _run(self) -> None:
-        while True:
-            time.sleep(self.interval_s)
+        while not self._stopped.wait(self.interval_s):
             try:
                 self._client.set(self.key, str(time.time()))
             except Exception:  # noqa: BLE001 - the control store may be gone at the very end of the job
                 log.debug("heartbeat write failed", exc_info=True)
+
+    def stop(self) -> None:
+        """End the thread and wait for it (at most one store call's timeout: a write may be in flight)."""
+        self._stopped.set()
+        self._thread.join(timeout=self._store_timeout_s + self.interval_s)
+        if self._thread.is_alive():
+            log.warning("heartbeat thread still inside a control-store call after %.0fs", self._store_timeout_s)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
 
 
 def start_heartbeat(interval_s: float) -> Heartbeat:
@@ -47,6 +64,7 @@ def start_heartbeat(interval_s: float) -> Heartbeat:
     global _beating
     if _beating is None:
         _beating = Heartbeat(interval_s)
+        atexit.register(_beating.stop)  # before finalization ends daemon threads (see the module docstring)
     return _beating
 
 
