@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.pytorch.loggers import Logger
 
 from lightning_emig.config import TrainConfig
 from lightning_emig.data.corpus import ensure_stdlib_corpus
@@ -25,6 +25,7 @@ from lightning_emig.membership import HandoffAwareCheckpoint, LiveHandoff, Rende
 from lightning_emig.membership.failure import FailureSettings, Rollback
 from lightning_emig.strategy import ElasticMigrationStrategy
 from lightning_emig.strategy.schedule import LayoutSchedule
+from lightning_emig.training.csv_log import ContinuedCSVLogger
 from lightning_emig.training.module import LlamaLightningModule
 from lightning_emig.training.optim import OptimConfig
 from lightning_emig.training.progress import StepProgressBar
@@ -90,7 +91,8 @@ def build_schedule(cfg: TrainConfig) -> LayoutSchedule | None:
 
 
 def build_loggers(cfg: TrainConfig, run_dir: Path) -> list[Logger]:
-    loggers: list[Logger] = [CSVLogger(save_dir=str(run_dir), name="csv", version="")]
+    # One metrics.csv for the whole job: each generation (a new Trainer) appends to it.
+    loggers: list[Logger] = [ContinuedCSVLogger(save_dir=str(run_dir), name="csv", version="")]
     if cfg.logger.kind == "wandb":
         from lightning.pytorch.loggers import WandbLogger
 
