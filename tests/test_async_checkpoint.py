@@ -34,7 +34,7 @@ from lightning_emig.training.resume import FoundCheckpoint, is_complete, newest_
 
 K = 3
 """The step of the asynchronous checkpoint."""
-WRITE_DELAY_S = 1.5
+WRITE_DELAY_S = 3.0
 """Simulated slow storage: every rank's shard write takes at least this long."""
 
 

@@ -76,7 +76,7 @@ class Nodes:
         self.agents[name] = start_node(
             self.tmp_path, name, local_addr=ADDRESSES[name], port=self.port, run_dir=self.run_dir,
             train_args=TRAIN, nnodes="1:3", rdzv_id=self.rdzv_id, rdzv_conf=f"is_host={str(name == 'a').lower()}",
-            env={"LIGHTNING_EMIG_GRACE_S": "60", **self.env, **(env or {})}, module=self.module,
+            env={"LIGHTNING_EMIG_GRACE_S": "180", **self.env, **(env or {})}, module=self.module,
         )
         self.started[name] = set()
         return self.agents[name]

@@ -1,7 +1,9 @@
 """Live membership changes in training: a node joins a running ``lightning-emig-run`` job.
 
 Node A (127.0.0.2) starts alone and trains; once it has saved its step-10 checkpoint, node B (127.0.0.3)
-starts. At the next optimizer-step boundary A's worker agrees on generation 1, ends its ``fit`` without
+starts. Once B's worker is ready (A's training waits for it here, :mod:`lightning_emig.testing.held_train`, so the
+join lands inside the run on any machine; training going on meanwhile is exercised by the other membership tests),
+at the next optimizer-step boundary A's worker agrees on generation 1, ends its ``fit`` without
 writing a checkpoint, switches process groups and starts ``fit(ckpt_path="live")`` in the same process; B's
 worker starts there directly, and the parameters and optimizer state move point to point. Specification:
 
@@ -30,6 +32,7 @@ from lightning_emig.testing.commands import (
     kill_tree,
 )
 from lightning_emig.testing.distributed import free_port
+from lightning_emig.testing.held_train import ENV_HOLD_STEPS_FOR_JOINERS
 from lightning_emig.testing.ledger import check_ledger
 from lightning_emig.testing.nodes import log_tail as _log
 from lightning_emig.testing.nodes import start_node, worst_loss_gap
@@ -76,8 +79,10 @@ def test_generation_env_describes_the_new_world_to_lightning() -> None:
 
 
 def _start_node(tmp_path: Path, name: str, local_addr: str, port: int, run_dir: Path) -> subprocess.Popen:
+    # A waits for B's worker once it sees generation 1: on a slow machine B could otherwise miss the short run.
     return start_node(tmp_path, name, local_addr=local_addr, port=port, run_dir=run_dir,
-                      train_args=[*TRAIN, "trainer.checkpoint_every_n_steps=10", "data.ledger=true"])
+                      train_args=[*TRAIN, "trainer.checkpoint_every_n_steps=10", "data.ledger=true"],
+                      module="lightning_emig.testing.held_train", env={ENV_HOLD_STEPS_FOR_JOINERS: "1"})
 
 
 def _median_ms(seconds: list[float]) -> float:

@@ -45,7 +45,7 @@ def _start_node(log_dir: Path, name: str, local_addr: str, port: int, run_dir: P
     rule for the c10d backend), so it is pinned with ``is_host`` instead of going to whichever agent binds first."""
     return start_node(
         log_dir, name, local_addr=local_addr, port=port, run_dir=run_dir, rdzv_id="preempt",
-        rdzv_conf=f"is_host={str(hosts_store).lower()}", env={"LIGHTNING_EMIG_GRACE_S": "60"},
+        rdzv_conf=f"is_host={str(hosts_store).lower()}", env={"LIGHTNING_EMIG_GRACE_S": "180"},
         train_args=[*TRAIN, "trainer.checkpoint_every_n_steps=10", "data.ledger=true"],
     )
 

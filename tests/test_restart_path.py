@@ -79,7 +79,8 @@ def test_a_join_under_torchrun_restarts_workers_and_resumes_from_the_newest_chec
     (restart,) = events
     resumed = restart["step"]
     assert resumed >= 10 and resumed % EVERY == 0 and resumed < MAX_STEPS
-    assert 0 <= restart["steps_rolled_back"] < EVERY + 5, restart  # a save may be cut short by the stop
+    # A save may be cut short by the stop, and the next save first waits for the previous one: two intervals.
+    assert 0 <= restart["steps_rolled_back"] <= 2 * EVERY, restart
     assert restart["downtime_seconds"] > 0
 
     times = [json.loads(line) for line in (run_dir / "step_times.jsonl").read_text().splitlines() if line]

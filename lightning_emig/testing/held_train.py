@@ -3,11 +3,16 @@ race of two membership events in end-to-end tests, so a test hits it on any mach
 
 * ``LIGHTNING_EMIG_TEST_HOLD_UNTIL_GENERATION=N``: every live join of this worker (the transfer inside
   ``fit(ckpt_path="live")``, on the processes that kept running and on the joiners alike) waits, right before it
-  moves any state, until generation ``N`` is published in the control store; afterwards joins run at once. A
-  migration into generation ``N - 1`` is thereby running when generation ``N`` appears.
+  moves any state, until generation ``N`` is published in the control store and its joining workers are ready;
+  afterwards joins run at once. A migration into generation ``N - 1`` is thereby running when generation ``N``
+  appears, and generation ``N``'s join comes at the next step boundary, however slowly its workers started.
 * ``LIGHTNING_EMIG_TEST_HOLD_LEAVING_EXIT=1``: a worker whose node announced its preemption, once it has handed
-  its state over and its training returned, exits only when a generation newer than the one published at that
-  moment appears (a preempted worker whose teardown is slow: its agent still runs while others change the world).
+  its state over and its training returned, exits only when a generation newer than the one it handed its state
+  to appears (a preempted worker whose teardown is slow: its agent still runs while others change the world).
+* ``LIGHTNING_EMIG_TEST_HOLD_STEPS_FOR_JOINERS=1``: when rank 0 sees a new generation whose joining workers are not
+  ready yet, training waits for them instead of going on (the join lands at the step it was seen, on any machine;
+  without it a slow joiner may miss a short run). Only for worlds of one process: the others would wait inside a
+  collective meanwhile.
 
 Each hold gives up after :data:`HOLD_TIMEOUT_S` and logs when it starts and ends. Without the variables this is
 ``lightning_emig.train`` unchanged.
@@ -22,26 +27,37 @@ from typing import Any
 
 ENV_HOLD_UNTIL_GENERATION = "LIGHTNING_EMIG_TEST_HOLD_UNTIL_GENERATION"
 ENV_HOLD_LEAVING_EXIT = "LIGHTNING_EMIG_TEST_HOLD_LEAVING_EXIT"
+ENV_HOLD_STEPS_FOR_JOINERS = "LIGHTNING_EMIG_TEST_HOLD_STEPS_FOR_JOINERS"
 HOLD_TIMEOUT_S = 120.0
 
 log = logging.getLogger(__name__)
 
 
-def _wait_for_generation(what: str, newer_than: int, timeout_s: float) -> None:
-    """Block until the control store's latest generation exceeds ``newer_than`` (RuntimeError after the timeout)."""
-    from lightning_emig.launcher.generation import control_client_from_env, latest_generation
+def _wait_for_generation(what: str, newer_than: int, timeout_s: float, *, joiners: bool = False) -> bool:
+    """Block until the control store's latest generation exceeds ``newer_than`` (with ``joiners``: and its joining
+    workers are ready). False after the timeout."""
+    from lightning_emig.launcher.generation import control_client_from_env, latest_generation, read_generation
+    from lightning_emig.membership.group import joiners_ready
 
     client = control_client_from_env()
+
+    def reached() -> bool:
+        latest = latest_generation(client)
+        return latest > newer_than and (not joiners or joiners_ready(client, read_generation(client, latest)))
+
     started = time.monotonic()
-    if latest_generation(client) > newer_than:
-        return
-    log.warning("test hold: %s waits until generation %d is published", what, newer_than + 1)
-    while latest_generation(client) <= newer_than:
+    if reached():
+        return True
+    log.warning("test hold: %s waits until generation %d is published%s", what, newer_than + 1,
+                " and its joiners are ready" if joiners else "")
+    while not reached():
         if time.monotonic() - started > timeout_s:
-            raise RuntimeError(f"test hold: no generation after {newer_than} within {timeout_s:.0f}s ({what})")
+            log.warning("test hold: no generation after %d within %.0fs (%s); going on", newer_than, timeout_s, what)
+            return False
         time.sleep(0.1)
     log.warning("test hold: generation %d published; %s resumes after %.2fs", latest_generation(client), what,
                 time.monotonic() - started)
+    return True
 
 
 def hold_live_migrations(until_generation: int, timeout_s: float = HOLD_TIMEOUT_S) -> None:
@@ -51,24 +67,52 @@ def hold_live_migrations(until_generation: int, timeout_s: float = HOLD_TIMEOUT_
     migrate = handoff.migrate
 
     def held_migrate(*args: Any, **kwargs: Any) -> Any:
-        _wait_for_generation("live migration", until_generation - 1, timeout_s)
+        if not _wait_for_generation("live migration", until_generation - 1, timeout_s, joiners=True):
+            raise RuntimeError(f"test hold: generation {until_generation} never came")
         return migrate(*args, **kwargs)
 
     handoff.migrate = held_migrate
 
 
-def hold_exit_if_left(timeout_s: float = HOLD_TIMEOUT_S) -> None:
-    """After training returned: if this worker's node announced its preemption, wait for the next generation."""
-    from lightning_emig.launcher.generation import (
-        ENV_NODE_ID,
-        control_client_from_env,
-        latest_generation,
-        leaving_key,
-    )
+_handed_to: list[int] = []
+"""The generation this worker's drain handed its state to (set once its node was preempted)."""
 
-    client = control_client_from_env()
-    if client.check([leaving_key(os.environ[ENV_NODE_ID])]):
-        _wait_for_generation("the preempted worker's exit", latest_generation(client), timeout_s)
+
+def record_drained_generation() -> None:
+    from lightning_emig.membership import callback
+
+    drain = callback.drain_leavers
+
+    def recorded_drain(*args: Any, **kwargs: Any) -> Any:
+        handoff = drain(*args, **kwargs)
+        if handoff.leaving:
+            _handed_to.append(handoff.generation)
+        return handoff
+
+    callback.drain_leavers = recorded_drain
+
+
+def hold_exit_if_left(timeout_s: float = HOLD_TIMEOUT_S) -> None:
+    """After training returned: if this worker was preempted, wait for a generation after the one it handed to."""
+    if _handed_to:
+        _wait_for_generation("the preempted worker's exit", _handed_to[-1], timeout_s)
+
+
+def hold_steps_for_joiners(timeout_s: float = HOLD_TIMEOUT_S) -> None:
+    """Rank 0's poll waits, once it sees a new generation, until that generation's joiners are ready."""
+    from lightning_emig.launcher.generation import latest_generation
+    from lightning_emig.membership.callback import RendezvousCallback
+
+    newest_ready = RendezvousCallback._newest_ready  # noqa: SLF001 - the seam this hold pins
+
+    def held_newest_ready(self: Any, current: int, now: float) -> int:
+        newer = newest_ready(self, current, now)
+        if newer == current and latest_generation(self._client) > current:  # seen, its joiners not ready yet
+            _wait_for_generation("training", current, timeout_s, joiners=True)
+            return newest_ready(self, current, time.monotonic())
+        return newer
+
+    RendezvousCallback._newest_ready = held_newest_ready  # type: ignore[method-assign]  # noqa: SLF001
 
 
 def main() -> None:
@@ -77,9 +121,14 @@ def main() -> None:
     until = os.environ.get(ENV_HOLD_UNTIL_GENERATION)
     if until:
         hold_live_migrations(int(until))
+    if os.environ.get(ENV_HOLD_STEPS_FOR_JOINERS) == "1":
+        hold_steps_for_joiners()
+    hold_exit = os.environ.get(ENV_HOLD_LEAVING_EXIT) == "1"
+    if hold_exit:
+        record_drained_generation()
     # As ``python -m lightning_emig.train``: Hydra finds ``conf/`` relative to the file of a ``__main__`` module.
     runpy.run_module("lightning_emig.train", run_name="__main__", alter_sys=True)
-    if os.environ.get(ENV_HOLD_LEAVING_EXIT) == "1":
+    if hold_exit:
         hold_exit_if_left()
 
 

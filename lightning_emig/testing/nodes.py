@@ -56,8 +56,21 @@ def log_tail(log_dir: Path, name: str, chars: int = 6000) -> str:
     return path.read_text()[-chars:] if path.exists() else ""
 
 
+_references: dict[tuple[str, ...], dict[str, float]] = {}
+"""Reference losses already computed in this process, by training arguments (the run is deterministic)."""
+
+
 def reference_losses(tmp_path: Path, train_args: Sequence[str]) -> dict[str, float]:
-    """Per-step losses of the same training, uninterrupted, in one process (the yardstick of elastic runs)."""
+    """Per-step losses of the same training, uninterrupted, in one process (the yardstick of elastic runs).
+
+    Computed once per set of arguments in a test session: tests of one module compare against the same run."""
+    key = tuple(train_args)
+    if key not in _references:
+        _references[key] = _run_reference(tmp_path, train_args)
+    return _references[key]
+
+
+def _run_reference(tmp_path: Path, train_args: Sequence[str]) -> dict[str, float]:
     import json
 
     from lightning_emig.testing.commands import python_module_command, run_command
