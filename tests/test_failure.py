@@ -23,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,7 @@ from lightning_emig.membership.failure import (
     is_peer_failure,
     report_key,
 )
+from lightning_emig.membership.heartbeat import HeartbeatWatch
 from lightning_emig.testing.commands import descendants, is_alive, kill_tree
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.nodes import log_tail as _log
@@ -100,17 +102,41 @@ def test_survivors_are_the_nodes_whose_every_worker_reported() -> None:
 
 
 def test_a_silent_worker_is_dead_once_its_heartbeat_is_stale() -> None:
-    import time
 
     store = dist.HashStore()
     info = _generation({"a": [0], "b": [1], "c": [2]})
     store.set(report_key(3, 0), "{}")
     store.set(report_key(3, 2), "{}")
     started = time.monotonic()
-    store.set(heartbeat_key("b", 0), str(time.time() - 1.0))  # beat a second ago: not dead yet
+    store.set(heartbeat_key("b", 0), str(time.time() - 1.0))  # beat a second ago, then never again
     decision = _decide_survivors(store, info, FailureSettings(heartbeat_timeout_s=2.0, failure_timeout_s=10))
     assert decision == {"survivors": [0, 2], "dead_nodes": ["b"]}
-    assert time.monotonic() - started >= 0.8  # it waited for the heartbeat to go stale
+    assert time.monotonic() - started >= 2.0  # it waited until the heartbeat had not changed for the timeout
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_heartbeats_are_judged_on_the_readers_clock_whatever_the_writers_clock_says() -> None:
+    store, clock = dist.HashStore(), _Clock()
+    watch = HeartbeatWatch(store, timeout_s=10.0, clock=clock)
+    hour = 3600.0
+    store.set(heartbeat_key("behind", 0), str(time.time() - hour))  # a clock an hour slow, still beating
+    store.set(heartbeat_key("ahead", 0), str(time.time() + hour))  # a clock an hour fast, then silent
+    silent_for = []
+    for tick in range(5):  # what _decide_survivors does: look at every worker not accounted for, every 6 s here
+        clock.now = 6.0 * tick
+        store.set(heartbeat_key("behind", 0), str(time.time() - hour + clock.now))
+        assert not watch.stale("behind", 0), "a live worker with a slow clock was taken for dead"
+        silent_for.append((clock.now, watch.stale("ahead", 0), watch.stale("never", 0)))
+    # The silent ones (one never beat) are dead once nothing changed for more than 10 s of our clock: not before.
+    assert silent_for == [(0.0, False, False), (6.0, False, False), (12.0, True, True), (18.0, True, True),
+                          (24.0, True, True)]
 
 
 def test_the_first_decision_wins() -> None:

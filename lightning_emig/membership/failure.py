@@ -6,8 +6,8 @@ which every survivor runs:
 
 1. **detect**: leave the broken group, report in (``failure/<n>/report/<rank>``: node, step of the last consistent
    state), and wait until every rank of generation ``n`` has either reported or is dead — its agent marked the node
-   (``dead/<node_id>``) or its heartbeat (:mod:`~lightning_emig.membership.heartbeat`) is older than
-   ``heartbeat_timeout_s``. A node with one dead worker is dead as a whole (its agent stops the others).
+   (``dead/<node_id>``) or its heartbeat (:mod:`~lightning_emig.membership.heartbeat`) has not changed for
+   ``heartbeat_timeout_s`` as this survivor's clock counts. A node with one dead worker is dead as a whole (its agent stops the others).
 2. **agree**: the first survivor to see everyone accounted for writes the decision (``compare_set``, so there is
    exactly one): the surviving ranks. The lowest survivor publishes generation ``n+1`` (survivors only, all kept)
    and every survivor forms its process group.
@@ -42,7 +42,7 @@ from lightning_emig.launcher.generation import (
     read_generation,
 )
 from lightning_emig.membership.handoff import LiveHandoff, layout_for_new_world
-from lightning_emig.membership.heartbeat import heartbeat_age
+from lightning_emig.membership.heartbeat import HeartbeatWatch
 from lightning_emig.migration.engine import MigrationFailedError, migrate
 from lightning_emig.migration.planner import IdentityMap, ProcessInfo, StateLostError
 from lightning_emig.migration.transfer import TransferOptions
@@ -212,6 +212,7 @@ def _decide_survivors(
     timeout_s = settings.failure_timeout_s if timeout_s is None else timeout_s
     deadline = time.monotonic() + timeout_s
     members = [(node.node_id, local_rank, rank) for node in info.nodes for local_rank, rank in enumerate(node.ranks)]
+    heartbeats = HeartbeatWatch(client, settings.heartbeat_timeout_s)
     while not client.check([key]):
         if time.monotonic() > deadline:
             raise RuntimeError(
@@ -221,7 +222,7 @@ def _decide_survivors(
         reported = {rank for _, _, rank in members if client.check([report_key(info.generation, rank)])}
         marked = {node for node, _, _ in members if client.check([dead_key(node)])}
         dead_nodes = marked | {node for node, local_rank, rank in members if rank not in reported
-                               and heartbeat_age(client, node, local_rank) > settings.heartbeat_timeout_s}
+                               and heartbeats.stale(node, local_rank)}
         accounted = all(rank in reported or node in dead_nodes for node, _, rank in members)
         if accounted:
             survivors = sorted(rank for node, _, rank in members if rank in reported and node not in dead_nodes)

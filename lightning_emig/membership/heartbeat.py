@@ -3,7 +3,8 @@
 Under ``lightning-emig-run`` every worker runs one daemon thread that writes ``hb/<node_id>/<local_rank>`` =
 ``time.time()`` every ``interval_s`` through a control-store client of its own (the training thread's client is
 never shared). After a collective fails, :mod:`~lightning_emig.membership.failure` reads these keys: a peer that
-has not reported in and whose heartbeat is older than the configured timeout is taken for dead. Writing from a
+has not reported in and whose heartbeat has not changed for the configured timeout (on the reader's own clock:
+:class:`HeartbeatWatch`) is taken for dead. Writing from a
 thread keeps beating while the training thread is blocked in a collective (gloo releases the GIL), so a live
 peer stuck behind the dead one still looks alive.
 
@@ -19,6 +20,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from lightning_emig.launcher.generation import ENV_NODE_ID, control_client_from_env, heartbeat_key
 
@@ -68,9 +70,27 @@ def start_heartbeat(interval_s: float) -> Heartbeat:
     return _beating
 
 
-def heartbeat_age(client: object, node_id: str, local_rank: int, now: float | None = None) -> float:
-    """Seconds since worker ``(node_id, local_rank)`` last beat; ``inf`` if it never did."""
-    key = heartbeat_key(node_id, local_rank)
-    if not client.check([key]):  # type: ignore[attr-defined]
-        return float("inf")
-    return (time.time() if now is None else now) - float(client.get(key))  # type: ignore[attr-defined]
+class HeartbeatWatch:
+    """Which workers' heartbeats have stopped, judged on this process's own clock.
+
+    A heartbeat is stale once its value has not changed for ``timeout_s`` since this watch first read it. The
+    writers' wall-clock times are never compared with ours: hosts whose clocks disagree by more than the timeout
+    would otherwise make a live peer look dead (it would be left out of the survivors) or a dead one look alive (the
+    survivors would wait for it until ``failure_timeout_s``). The price: a peer long dead is taken for dead only
+    ``timeout_s`` after the watch started, not at once.
+    """
+
+    def __init__(self, client: object, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.client, self.timeout_s, self.clock = client, timeout_s, clock
+        self._last: dict[str, tuple[bytes | None, float]] = {}
+        """Per key: the value last read, and when (our clock) it was first read with that value."""
+
+    def stale(self, node_id: str, local_rank: int) -> bool:
+        key = heartbeat_key(node_id, local_rank)
+        value = self.client.get(key) if self.client.check([key]) else None  # type: ignore[attr-defined]
+        now = self.clock()
+        last = self._last.get(key)
+        if last is None or last[0] != value:
+            self._last[key] = (value, now)
+            return False
+        return now - last[1] > self.timeout_s
