@@ -63,6 +63,42 @@ def test_batch_counters_are_re_expressed_for_the_new_accumulation() -> None:
         assert progress[scope] == {"ready": 84, "started": 84, "processed": 84, "completed": 83}
 
 
+
+def _entries(*nodes: tuple[str, tuple[int, ...], bool]) -> list:
+    from lightning_emig.launcher.generation import NodeEntry
+
+    return [NodeEntry(node_id=n, ranks=r, kept_workers=k) for n, r, k in nodes]
+
+
+def _agents_publish(store: object, nodes: list) -> int:
+    from lightning_emig.launcher.generation import publish_generation
+
+    return publish_generation(store, nodes=nodes, world_size=sum(len(n.ranks) for n in nodes),  # type: ignore[arg-type]
+                              master_addr="127.0.0.2", master_port=1, rendezvous_seconds=0.0)
+
+
+@pytest.mark.parametrize("meanwhile", ["nothing", "a join", "a round that kept the leaver"])
+def test_the_survivors_generation_never_hides_one_the_agents_published_during_the_drain(meanwhile: str) -> None:
+    """A drain that saw generation 0 (A, B; B leaving) publishes A's generation only if nothing came since; a round
+    published meanwhile with joiner C and without B is the one A goes into (C's worker was started into it)."""
+    import torch.distributed as dist
+
+    from lightning_emig.launcher.generation import latest_generation, read_generation
+    from lightning_emig.membership.preempt import _publish_survivors_or_join
+
+    store = dist.HashStore()
+    _agents_publish(store, _entries(("a", (0,), False), ("b", (1,), False)))
+    info = read_generation(store, 0)
+    if meanwhile == "a join":
+        _agents_publish(store, _entries(("a", (0,), True), ("c", (1,), False)))
+    elif meanwhile == "a round that kept the leaver":
+        _agents_publish(store, _entries(("a", (0,), True), ("b", (1,), True), ("c", (2,), False)))
+    went_into = _publish_survivors_or_join(store, info, {0: 0}, "127.0.0.1", ["b"], seen_latest=0)
+    assert went_into == latest_generation(store)
+    nodes = [n.node_id for n in read_generation(store, went_into).nodes]
+    assert nodes == {"nothing": ["a"], "a join": ["a", "c"], "a round that kept the leaver": ["a"]}[meanwhile]
+    assert went_into == {"nothing": 1, "a join": 1, "a round that kept the leaver": 3}[meanwhile]
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)

@@ -334,12 +334,15 @@ def changes_nothing(previous: GenerationInfo | None, nodes: Sequence[NodeEntry])
 
 def publish_generation(
     store: Store, *, nodes: Sequence[NodeEntry], world_size: int, master_addr: str, master_port: int,
-    rendezvous_seconds: float,
-) -> int:
-    """Agent side (the round's rank-0 agent, the only writer): publish a round as a generation; its number.
+    rendezvous_seconds: float, only_after: int | None = None,
+) -> int | None:
+    """Publish a round (the round's rank-0 agent) or the survivors of a departure (their new rank 0) as a generation;
+    its number.
 
     The entries are validated before anything is written, and ``latest_generation`` is written last. A round
-    that :func:`changes_nothing` is no new generation: the current number is returned, nothing is written.
+    that :func:`changes_nothing` is no new generation: the current number is returned, nothing is written. With
+    ``only_after``, the generation is published only if ``latest_generation`` is still ``only_after`` (atomically);
+    otherwise None is returned and the number it took is never used.
     """
     latest = latest_generation(store)
     if changes_nothing(read_generation(store, latest) if latest >= 0 else None, nodes):
@@ -353,6 +356,9 @@ def publish_generation(
     for group_rank, node in enumerate(info.nodes):
         store.set(node_key(generation, group_rank), node.encode())
     store.set(world_key(generation), info.encode_world())
+    if only_after is not None:
+        swapped = store.compare_set(LATEST_GENERATION_KEY, str(only_after), str(generation)).decode()
+        return generation if swapped == str(generation) else None
     _raise_latest(store, generation)
     return generation
 

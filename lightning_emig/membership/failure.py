@@ -243,7 +243,9 @@ def _publish_or_wait(
 
     key = new_generation_key(generation)
     if host is not None:
-        client.set(key, str(publish_survivors(client, info, new_rank_of, host)))
+        published = publish_survivors(client, info, new_rank_of, host)
+        assert published is not None  # published unconditionally
+        client.set(key, str(published))
     deadline = time.monotonic() + settings.failure_timeout_s
     while not client.check([key]):
         if time.monotonic() > deadline:

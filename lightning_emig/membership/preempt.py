@@ -7,7 +7,8 @@ departure (``leaving/<node_id>`` in the control store, written by its agent on S
 1. global rank 0 broadcasts the current generation and the leaving nodes; every rank derives the survivors
    (ranked in old-rank order) and the new layout (:func:`~lightning_emig.membership.handoff.layout_for_new_world`);
 2. the lowest surviving old rank (new rank 0) picks a free port on its host, publishes the next generation
-   (survivors only, all ``kept_workers``) and broadcasts its number;
+   (survivors only, all ``kept_workers``) and broadcasts its number — unless the agents published a round meanwhile
+   (a node joined) that holds the survivors and no leaver: the survivors go into that one instead;
 3. survivors allocate plain local buffers for their new shards (from the geometry, no mesh needed) and
    :func:`~lightning_emig.migration.engine.migrate` moves every parameter and optimizer-state shard; leavers only
    send (``new_state=None``);
@@ -64,14 +65,17 @@ def _free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
-def publish_survivors(client: Any, info: Any, new_rank_of: dict[int, int], host: str) -> int:
-    """Publish the generation of the processes of ``info`` that have a new rank (all kept), its store on ``host``."""
+def publish_survivors(
+    client: Any, info: Any, new_rank_of: dict[int, int], host: str, *, only_after: int | None = None
+) -> int | None:
+    """Publish the generation of the processes of ``info`` that have a new rank (all kept), its store on ``host``
+    (with ``only_after``: only if that is still the latest generation, else None; see ``publish_generation``)."""
     nodes = [
         NodeEntry(node_id=n.node_id, ranks=tuple(new_rank_of[r] for r in n.ranks), kept_workers=True)
         for n in info.nodes if all(r in new_rank_of for r in n.ranks)
     ]
     return publish_generation(client, nodes=nodes, world_size=len(new_rank_of), master_addr=host,
-                              master_port=_free_port(host), rendezvous_seconds=0.0)
+                              master_port=_free_port(host), rendezvous_seconds=0.0, only_after=only_after)
 
 
 def allocate_shards(
@@ -87,16 +91,37 @@ def allocate_shards(
     return out
 
 
-def _joined_meanwhile(client: Any, info: Any, leaving: list[str]) -> int | None:
-    """Rank 0: a generation the agents published after ``info`` (nodes joined) that holds every surviving node and
-    none of the leavers — the survivors go straight into it. (One that still holds a leaver is joined first and the
-    leaver drained there: :class:`~lightning_emig.membership.callback.RendezvousCallback` waits for it.)"""
+def _joined_meanwhile(client: Any, info: Any, leaving: list[str]) -> tuple[int | None, int]:
+    """A generation the agents published after ``info`` (nodes joined) that holds every surviving node and none of
+    the leavers — the survivors go straight into it — or None; and the latest generation seen. (One that still holds
+    a leaver is joined first and the leaver drained there: the
+    :class:`~lightning_emig.membership.callback.RendezvousCallback` waits for it.)"""
     latest = latest_generation(client)
     if latest <= info.generation:
-        return None
+        return None, latest
     newer = {node.node_id for node in read_generation(client, latest).nodes}
     staying = {node.node_id for node in info.nodes} - set(leaving)
-    return latest if staying <= newer and not newer & set(leaving) else None
+    return (latest if staying <= newer and not newer & set(leaving) else None), latest
+
+
+def _publish_survivors_or_join(
+    client: Any, info: Any, new_rank_of: dict[int, int], host: str, leaving: list[str], seen_latest: int
+) -> int:
+    """New rank 0: the generation the survivors go into. Theirs is published only if no round was published since
+    ``seen_latest``: a round the agents publish meanwhile (a node joining) starts its joiners' workers into it, and a
+    survivors' generation numbered after it would leave them waiting for a group nobody forms."""
+    published = publish_survivors(client, info, new_rank_of, host, only_after=seen_latest)
+    if published is not None:
+        return published
+    joined, latest = _joined_meanwhile(client, info, leaving)
+    if joined is not None:
+        log.warning("generation %d was published during the drain: the survivors go into it", joined)
+        return joined
+    log.warning("generation %d, published during the drain, still holds a leaving node; the survivors' generation "
+                "comes after it (its joiners, if any, join later)", latest)
+    published = publish_survivors(client, info, new_rank_of, host)
+    assert published is not None
+    return published
 
 
 def drain_leavers(trainer: pl.Trainer, client: Any, handoff: LiveHandoff) -> LiveHandoff:
@@ -116,9 +141,9 @@ def drain_leavers(trainer: pl.Trainer, client: Any, handoff: LiveHandoff) -> Liv
     dist.broadcast_object_list(box, src=0)
     generation, leaving = box[0]
     info = read_generation(client, generation) if rank == 0 else None
-    box = [(info, _joined_meanwhile(client, info, leaving) if rank == 0 else None)]
+    box = [(info, *_joined_meanwhile(client, info, leaving)) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    info, pending = box[0]
+    info, pending, seen_latest = box[0]
     node_of = {info.rank_of(node.node_id, lr): node.node_id for node in info.nodes for lr in range(len(node.ranks))}
     survivors = [r for r in range(old_world) if node_of[r] not in leaving]
     if not survivors:
@@ -135,7 +160,7 @@ def drain_leavers(trainer: pl.Trainer, client: Any, handoff: LiveHandoff) -> Liv
     if rank == master and pending is None:
         host = info.master_addr if master == 0 else node_host(node_of[master])
         own_client = client if client is not None else control_client_from_env()
-        box[0] = publish_survivors(own_client, info, new_rank_of, host)
+        box[0] = _publish_survivors_or_join(own_client, info, new_rank_of, host, leaving, seen_latest)
     if pending is None:
         dist.broadcast_object_list(box, src=master)
     new_generation = int(box[0])
