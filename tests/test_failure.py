@@ -254,6 +254,63 @@ def test_a_killed_node_without_replicas_rolls_back_to_the_last_checkpoint(tmp_pa
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
+def test_a_node_with_no_restart_left_leaves_the_job_open_for_a_new_node(tmp_path: Path) -> None:
+    """B runs with ``--max-restarts=0``; its worker gets SIGKILL. B's agent marks the node dead and exits non-zero
+    without closing the rendezvous (torchrun's way out would close it for good); A rebuilds from its replica and
+    trains on; node C then joins the ``--nnodes=1:2`` job in B's place, live."""
+    from lightning_emig.testing.held_train import ENV_HOLD_STEPS_FOR_JOINERS
+    from lightning_emig.training.step_times import read_step_times
+
+    port = free_port()
+    run_dir = tmp_path / "run"
+    agents: dict[str, subprocess.Popen] = {}
+
+    def node(name: str, addr: str) -> subprocess.Popen:
+        # A waits for C's worker once it sees C's generation (A trains alone then): C cannot miss the short run.
+        return start_node(tmp_path, name, local_addr=addr, port=port, run_dir=run_dir, rdzv_id="no-restart",
+                          rdzv_conf=f"is_host={str(name == 'a').lower()}", max_restarts=0,
+                          train_args=[*TRAIN, "layout=hsdp", "data.ledger=true"],
+                          module="lightning_emig.testing.held_train", env={ENV_HOLD_STEPS_FOR_JOINERS: "1"})
+
+    try:
+        agents["a"], agents["b"] = node("a", "127.0.0.2"), node("b", "127.0.0.3")
+        wait_for(lambda: sum(r["world"] == 2 for r in read_step_times(run_dir)) >= 10
+                 or any(p.poll() is not None for p in agents.values()),
+                 120, f"no 10 steps on the world of two:\n{_log(tmp_path, 'a')}\n{_log(tmp_path, 'b')}")
+        a_workers = [p for p in descendants(agents["a"].pid) if is_alive(p)]
+        for pid in descendants(agents["b"].pid):
+            os.kill(pid, signal.SIGKILL)
+        try:
+            agents["b"].wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"B's agent did not leave:\n{_log(tmp_path, 'b')}")
+        assert agents["b"].returncode not in (None, 0), "B's agent hid its worker's failure"
+        assert "no restart left" in _log(tmp_path, "b")
+        wait_for(lambda: any(e["kind"] == "failure" for e in read_events(run_dir)) or agents["a"].poll() is not None,
+                 120, f"A did not carry on alone:\n{_log(tmp_path, 'a')}")
+        agents["c"] = node("c", "127.0.0.4")
+        for name in ("a", "c"):
+            try:
+                agents[name].wait(timeout=200)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"agent {name} did not finish; its log:\n{_log(tmp_path, name)}")
+            assert agents[name].returncode == 0, f"agent {name} failed:\n{_log(tmp_path, name)}"
+    finally:
+        for proc in agents.values():
+            kill_tree(proc.pid)
+            proc.wait(timeout=10)
+
+    events = read_events(run_dir)
+    assert [(e["kind"], e["old_world"], e["new_world"]) for e in events][-2:] == [("failure", 2, 1), ("join", 1, 2)]
+    assert events[-2]["steps_rolled_back"] == 0 and events[-1]["step"] < MAX_STEPS, events
+    checked = _check_losses_and_ledger(tmp_path, run_dir, a_workers)
+    assert set(checked["ledger"].rolled_back_steps) <= {events[-2]["step"]}, checked["ledger"].describe()
+    assert checked["summary"]["world_size"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
 def test_below_the_minimum_the_survivor_waits_with_its_state_for_a_joiner(tmp_path: Path) -> None:
     """``--nnodes=2:3``: node B is killed whole, A alone is below MIN. A keeps its state in memory and trains no step
     until node C (127.0.0.4) joins; then A hands its state to the world A + C and the job finishes there."""
