@@ -267,6 +267,7 @@ def test_a_node_with_no_restart_left_leaves_the_job_open_for_a_new_node(tmp_path
 
     def node(name: str, addr: str) -> subprocess.Popen:
         # A waits for C's worker once it sees C's generation (A trains alone then): C cannot miss the short run.
+        # (The hold is for worlds of one: no generation appears while A and B train, B has no restart to rejoin.)
         return start_node(tmp_path, name, local_addr=addr, port=port, run_dir=run_dir, rdzv_id="no-restart",
                           rdzv_conf=f"is_host={str(name == 'a').lower()}", max_restarts=0,
                           train_args=[*TRAIN, "layout=hsdp", "data.ledger=true"],

@@ -14,8 +14,8 @@ race of two membership events in end-to-end tests, so a test hits it on any mach
   without it a slow joiner may miss a short run). Only for worlds of one process: the others would wait inside a
   collective meanwhile.
 
-Each hold gives up after :data:`HOLD_TIMEOUT_S` and logs when it starts and ends. Without the variables this is
-``lightning_emig.train`` unchanged.
+Each hold gives up after :data:`HOLD_TIMEOUT_S` (the exit hold after 60 s: within a test's grace period) and logs
+when it starts and ends. Without the variables this is ``lightning_emig.train`` unchanged.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def record_drained_generation() -> None:
     callback.drain_leavers = recorded_drain
 
 
-def hold_exit_if_left(timeout_s: float = HOLD_TIMEOUT_S) -> None:
+def hold_exit_if_left(timeout_s: float = 60.0) -> None:
     """After training returned: if this worker was preempted, wait for a generation after the one it handed to."""
     if _handed_to:
         _wait_for_generation("the preempted worker's exit", _handed_to[-1], timeout_s)

@@ -20,11 +20,20 @@ class ContinuedExperimentWriter(ExperimentWriter):
     """Lightning's CSV writer, appending to an existing ``metrics.csv`` instead of deleting it."""
 
     def _check_log_dir_exists(self) -> None:
+        self._read_header()
+
+    def save(self) -> None:
+        # Another process's writer (the previous rank 0, finishing as this one starts) may have added columns.
+        self._read_header()
+        super().save()
+
+    def _read_header(self) -> None:
+        """The writer compares new keys against ``metrics_keys``: take them from the file as it is now."""
         if not self._fs.isfile(self.metrics_file_path):
             return
         with self._fs.open(self.metrics_file_path, "r", newline="") as file:
             header = next(csv.reader(file), [])
-        self.metrics_keys = sorted(header)  # the writer compares new keys against these
+        self.metrics_keys = sorted(header)
 
 
 class ContinuedCSVLogger(CSVLogger):
