@@ -135,7 +135,8 @@ def test_a_node_joins_live_training_without_restarting_the_survivor(tmp_path: Pa
     assert worst < REL_TOL, f"loss curve departs from the reference by {worst:.2e} (relative)"
     agree = summary["agree_seconds"]
     print(
-        f"\nlive join at step {join['step']}: downtime {join['downtime_seconds']:.2f}s, "
+        f"\nlive join at step {join['step']}: downtime {join['downtime_seconds']:.2f}s (detect includes the test's "
+        f"wait for B's worker), "
         f"{join['bytes_moved'] / 1e6:.2f} MB moved; phases "
         + ", ".join(f"{k} {v:.3f}s" for k, v in join["seconds"].items())
         + f"; per-step check median {_median_ms(agree[:join['step']]):.2f} ms on 1 rank, "
