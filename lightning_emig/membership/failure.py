@@ -7,7 +7,8 @@ which every survivor runs:
 1. **detect**: leave the broken group, report in (``failure/<n>/report/<rank>``: node, step of the last consistent
    state), and wait until every rank of generation ``n`` has either reported or is dead — its agent marked the node
    (``dead/<node_id>``) or its heartbeat (:mod:`~lightning_emig.membership.heartbeat`) has not changed for
-   ``heartbeat_timeout_s`` as this survivor's clock counts. A node with one dead worker is dead as a whole (its agent stops the others).
+   ``heartbeat_timeout_s`` as this survivor's clock counts. A node with one dead worker is dead as a whole (its
+   agent stops the others).
 2. **agree**: the first survivor to see everyone accounted for writes the decision (``compare_set``, so there is
    exactly one): the surviving ranks. The lowest survivor publishes generation ``n+1`` (survivors only, all kept)
    and every survivor forms its process group.

@@ -4,9 +4,8 @@ Under ``lightning-emig-run`` every worker runs one daemon thread that writes ``h
 ``time.time()`` every ``interval_s`` through a control-store client of its own (the training thread's client is
 never shared). After a collective fails, :mod:`~lightning_emig.membership.failure` reads these keys: a peer that
 has not reported in and whose heartbeat has not changed for the configured timeout (on the reader's own clock:
-:class:`HeartbeatWatch`) is taken for dead. Writing from a
-thread keeps beating while the training thread is blocked in a collective (gloo releases the GIL), so a live
-peer stuck behind the dead one still looks alive.
+:class:`HeartbeatWatch`) is taken for dead. Writing from a thread keeps beating while the training thread is blocked
+in a collective (gloo releases the GIL), so a live peer stuck behind the dead one still looks alive.
 
 The thread is stopped and joined at interpreter exit (``atexit``): a daemon thread caught inside a store call (GIL
 released) while the interpreter finalizes is ended with ``pthread_exit``, whose unwinding through torch's C++ aborts
