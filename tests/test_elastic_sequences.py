@@ -43,11 +43,11 @@ from pathlib import Path
 
 import pytest
 
-from lightning_emig.testing.commands import descendants, is_alive, kill_tree
+from lightning_emig.testing.commands import descendants, is_alive
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.held_train import ENV_HOLD_LEAVING_EXIT, ENV_HOLD_UNTIL_GENERATION
 from lightning_emig.testing.ledger import check_ledger
-from lightning_emig.testing.nodes import log_tail, start_node, wait_for, worst_loss_gap
+from lightning_emig.testing.nodes import log_tail, start_node, stop_agents, wait_for, worst_loss_gap
 from lightning_emig.training.events import read_events
 from lightning_emig.training.step_times import read_step_times
 
@@ -113,9 +113,7 @@ class Nodes:
         return sorted(p for pids in self.started.values() for p in pids if is_alive(p))
 
     def close(self) -> None:
-        for proc in self.agents.values():
-            kill_tree(proc.pid)
-            proc.wait(timeout=10)
+        stop_agents(self.agents)
         self._stop.set()
 
     def _poll(self) -> None:

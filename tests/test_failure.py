@@ -39,8 +39,15 @@ from lightning_emig.membership.failure import (
 from lightning_emig.membership.heartbeat import HeartbeatWatch
 from lightning_emig.testing.commands import descendants, is_alive, kill_tree
 from lightning_emig.testing.distributed import free_port
+from lightning_emig.testing.nodes import (
+    assert_agents_succeed,
+    start_node,
+    stop_agents,
+    wait_for,
+    wait_for_exit,
+    worst_loss_gap,
+)
 from lightning_emig.testing.nodes import log_tail as _log
-from lightning_emig.testing.nodes import start_node, wait_for, worst_loss_gap
 from lightning_emig.training.events import read_events
 
 MAX_STEPS = 200
@@ -181,19 +188,12 @@ def _run_two_nodes_and_kill(tmp_path: Path, layout: list[str], kill: str) -> tup
         else:
             kill_tree(agents["b"].pid)
             expected_exit = {"a": 0, "b": -signal.SIGKILL}
-        for name, proc in agents.items():
-            try:
-                proc.wait(timeout=200)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"agent {name} did not finish; its log:\n{_log(tmp_path, name)}")
-        for name, proc in agents.items():
-            assert proc.returncode == expected_exit[name], f"agent {name} exited {proc.returncode}:\n{_log(tmp_path, name)}"
+        for name, code in wait_for_exit(tmp_path, agents, 200).items():
+            assert code == expected_exit[name], f"agent {name} exited {code}:\n{_log(tmp_path, name)}"
         assert not any(is_alive(p) for p in b_workers), "B's old worker outlived the failure"
         return run_dir, a_workers
     finally:
-        for proc in agents.values():
-            kill_tree(proc.pid)
-            proc.wait(timeout=10)
+        stop_agents(agents)
 
 
 def _check_losses_and_ledger(tmp_path: Path, run_dir: Path, a_workers: list[int]) -> dict:
@@ -281,25 +281,14 @@ def test_a_node_with_no_restart_left_leaves_the_job_open_for_a_new_node(tmp_path
         a_workers = [p for p in descendants(agents["a"].pid) if is_alive(p)]
         for pid in descendants(agents["b"].pid):
             os.kill(pid, signal.SIGKILL)
-        try:
-            agents["b"].wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"B's agent did not leave:\n{_log(tmp_path, 'b')}")
-        assert agents["b"].returncode not in (None, 0), "B's agent hid its worker's failure"
+        assert wait_for_exit(tmp_path, agents, 120, ["b"])["b"] != 0, "B's agent hid its worker's failure"
         assert "no restart left" in _log(tmp_path, "b")
         wait_for(lambda: any(e["kind"] == "failure" for e in read_events(run_dir)) or agents["a"].poll() is not None,
                  120, f"A did not carry on alone:\n{_log(tmp_path, 'a')}")
         agents["c"] = node("c", "127.0.0.4")
-        for name in ("a", "c"):
-            try:
-                agents[name].wait(timeout=200)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"agent {name} did not finish; its log:\n{_log(tmp_path, name)}")
-            assert agents[name].returncode == 0, f"agent {name} failed:\n{_log(tmp_path, name)}"
+        assert_agents_succeed(tmp_path, agents, 200, ["a", "c"])
     finally:
-        for proc in agents.values():
-            kill_tree(proc.pid)
-            proc.wait(timeout=10)
+        stop_agents(agents)
 
     events = read_events(run_dir)
     assert [(e["kind"], e["old_world"], e["new_world"]) for e in events][-2:] == [("failure", 2, 1), ("join", 1, 2)]
@@ -337,16 +326,9 @@ def test_below_the_minimum_the_survivor_waits_with_its_state_for_a_joiner(tmp_pa
                  60, f"A did not wait below MIN:\n{_log(tmp_path, 'a')}")
         steps_when_waiting = len(read_step_times(run_dir))
         agents["c"] = node("c", "127.0.0.4", False)
-        for name in ("a", "c"):
-            try:
-                agents[name].wait(timeout=200)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"agent {name} did not finish; its log:\n{_log(tmp_path, name)}")
-            assert agents[name].returncode == 0, f"agent {name} failed:\n{_log(tmp_path, name)}"
+        assert_agents_succeed(tmp_path, agents, 200, ["a", "c"])
     finally:
-        for proc in agents.values():
-            kill_tree(proc.pid)
-            proc.wait(timeout=10)
+        stop_agents(agents)
 
     times = read_step_times(run_dir)
     assert all(t["world"] == 2 for t in times), "a step ran on the world of one, below MIN"

@@ -42,8 +42,9 @@ from lightning_emig.launcher.generation import (
     wait_for_generation,
     worker_env,
 )
-from lightning_emig.testing.commands import is_alive, kill_tree
+from lightning_emig.testing.commands import is_alive
 from lightning_emig.testing.distributed import free_port
+from lightning_emig.testing.nodes import stop_agents
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -330,9 +331,7 @@ def test_joining_node_is_handed_to_the_live_worker_without_restart(tmp_path: Pat
         a = json.loads(a_starts.with_suffix(".json").read_text())
         b = json.loads(b_starts.with_suffix(".json").read_text())
     finally:
-        for proc in agents.values():
-            kill_tree(proc.pid)
-            proc.wait(timeout=10)
+        stop_agents(agents)
         for pid in workers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

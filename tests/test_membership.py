@@ -29,13 +29,12 @@ from lightning_emig.membership import generation_env, layout_for_new_world
 from lightning_emig.testing.commands import (
     descendants,
     is_alive,
-    kill_tree,
 )
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.held_train import ENV_HOLD_STEPS_FOR_JOINERS
 from lightning_emig.testing.ledger import check_ledger
+from lightning_emig.testing.nodes import assert_agents_succeed, start_node, stop_agents, worst_loss_gap
 from lightning_emig.testing.nodes import log_tail as _log
-from lightning_emig.testing.nodes import start_node, worst_loss_gap
 from lightning_emig.testing.nodes import wait_for as _wait_for
 from lightning_emig.training.events import read_events
 
@@ -103,17 +102,9 @@ def test_a_node_joins_live_training_without_restarting_the_survivor(tmp_path: Pa
         assert agents["a"].poll() is None, _log(tmp_path, "a")
         a_workers = [p for p in descendants(agents["a"].pid) if is_alive(p)]
         agents["b"] = _start_node(tmp_path, "b", "127.0.0.3", port, run_dir)
-        for name, proc in agents.items():
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"agent {name} did not finish; its log:\n{_log(tmp_path, name)}")
-        for name, proc in agents.items():
-            assert proc.returncode == 0, f"agent {name} failed:\n{_log(tmp_path, name)}"
+        assert_agents_succeed(tmp_path, agents, 120)
     finally:
-        for proc in agents.values():
-            kill_tree(proc.pid)
-            proc.wait(timeout=10)
+        stop_agents(agents)
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["pid"] in a_workers, "node A's worker was restarted (rank 0 of the final world is A's)"

@@ -25,12 +25,17 @@ import pytest
 from lightning_emig.testing.commands import (
     descendants,
     is_alive,
-    kill_tree,
 )
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.ledger import check_ledger
+from lightning_emig.testing.nodes import (
+    assert_agents_succeed,
+    start_node,
+    stop_agents,
+    wait_for,
+    worst_loss_gap,
+)
 from lightning_emig.testing.nodes import log_tail as _log
-from lightning_emig.testing.nodes import start_node, wait_for, worst_loss_gap
 from lightning_emig.training.events import read_events
 
 MAX_STEPS = 150
@@ -124,18 +129,10 @@ def test_a_preempted_node_hands_off_its_state_and_the_survivor_continues(tmp_pat
         b_workers = [p for p in descendants(agents["b"].pid) if is_alive(p)]
         assert b_workers and all(p.poll() is None for p in agents.values())
         os.kill(agents["b"].pid, signal.SIGTERM)
-        for name, proc in agents.items():
-            try:
-                proc.wait(timeout=150)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"agent {name} did not finish; its log:\n{_log(tmp_path, name)}")
-        for name, proc in agents.items():
-            assert proc.returncode == 0, f"agent {name} failed:\n{_log(tmp_path, name)}"
+        assert_agents_succeed(tmp_path, agents, 150)
         assert not any(is_alive(p) for p in b_workers), "B's worker outlived its agent"
     finally:
-        for proc in agents.values():
-            kill_tree(proc.pid)
-            proc.wait(timeout=10)
+        stop_agents(agents)
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["pid"] in a_workers, "node A's worker was restarted"

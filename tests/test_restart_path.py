@@ -24,11 +24,17 @@ import pytest
 from lightning_emig.testing.commands import (
     descendants,
     is_alive,
-    kill_tree,
 )
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.ledger import check_ledger
-from lightning_emig.testing.nodes import log_tail, start_node, wait_for, worst_loss_gap
+from lightning_emig.testing.nodes import (
+    assert_agents_succeed,
+    log_tail,
+    start_node,
+    stop_agents,
+    wait_for,
+    worst_loss_gap,
+)
 from lightning_emig.training.events import read_events
 from lightning_emig.training.resume import (
     FoundCheckpoint,
@@ -62,17 +68,9 @@ def test_a_join_under_torchrun_restarts_workers_and_resumes_from_the_newest_chec
         assert agents["a"].poll() is None, log_tail(tmp_path, "a")
         a_workers = [p for p in descendants(agents["a"].pid) if is_alive(p)]
         agents["b"] = start_node(tmp_path, "b", local_addr="127.0.0.3", **node)
-        for name, proc in agents.items():
-            try:
-                proc.wait(timeout=150)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"agent {name} did not finish; its log:\n{log_tail(tmp_path, name)}")
-        for name, proc in agents.items():
-            assert proc.returncode == 0, f"agent {name} failed:\n{log_tail(tmp_path, name)}"
+        assert_agents_succeed(tmp_path, agents, 150)
     finally:
-        for proc in agents.values():
-            kill_tree(proc.pid)
-            proc.wait(timeout=10)
+        stop_agents(agents)
 
     events = read_events(run_dir)
     assert [(e["kind"], e["old_world"], e["new_world"]) for e in events] == [("restart", 1, 2)], events

@@ -56,6 +56,37 @@ def log_tail(log_dir: Path, name: str, chars: int = 6000) -> str:
     return path.read_text()[-chars:] if path.exists() else ""
 
 
+
+def wait_for_exit(log_dir: Path, agents: Mapping[str, subprocess.Popen], timeout_s: float,
+                  names: Iterable[str] | None = None) -> dict[str, int]:
+    """Wait for every agent of ``names`` (default: all) to exit; their exit codes. The test fails, with the agent's
+    log, when one has not exited within ``timeout_s`` (each in turn)."""
+    import pytest
+
+    codes = {}
+    for name in agents if names is None else names:
+        try:
+            codes[name] = agents[name].wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"agent {name} did not finish; its log:\n{log_tail(log_dir, name)}")
+    return codes
+
+
+def assert_agents_succeed(log_dir: Path, agents: Mapping[str, subprocess.Popen], timeout_s: float,
+                          names: Iterable[str] | None = None) -> None:
+    """:func:`wait_for_exit`, then every one of them exited 0 (else the test fails with its log)."""
+    for name, code in wait_for_exit(log_dir, agents, timeout_s, names).items():
+        assert code == 0, f"agent {name} failed:\n{log_tail(log_dir, name)}"
+
+
+def stop_agents(agents: Mapping[str, subprocess.Popen]) -> None:
+    """Kill every agent's process tree (its workers run in sessions of their own too) and reap the agent."""
+    from lightning_emig.testing.commands import kill_tree
+
+    for proc in agents.values():
+        kill_tree(proc.pid)
+        proc.wait(timeout=10)
+
 _references: dict[tuple[str, ...], dict[str, float]] = {}
 """Reference losses already computed in this process, by training arguments (the run is deterministic)."""
 
