@@ -3,7 +3,8 @@
 The sampler is pure (no ``torch.distributed``, no process state beyond one integer) and defines the data order
 of a run independently of how many ranks read it. Invariants:
 
-* epoch ``e`` is ``torch.randperm(num_samples)`` drawn from a generator seeded with ``mix_seed(seed, e)``;
+* epoch ``e`` is ``torch.randperm(num_samples)`` drawn from a generator seeded with ``mix_seed(seed, e)``
+  (``0 .. num_samples - 1`` in order with ``shuffle=False``);
 * an epoch has ``steps_per_epoch = num_samples // global_batch_size`` optimizer steps; the
   ``num_samples % global_batch_size`` samples at the end of each epoch's permutation are *dropped* (a
   different set each epoch), so a global batch never spans two epochs;
@@ -57,7 +58,7 @@ class GlobalOffsetSampler:
         sampler.advance()
     """
 
-    def __init__(self, num_samples: int, global_batch_size: int, seed: int = 0) -> None:
+    def __init__(self, num_samples: int, global_batch_size: int, seed: int = 0, *, shuffle: bool = True) -> None:
         for name, value in (("num_samples", num_samples), ("global_batch_size", global_batch_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise SamplerStateError(f"{name} must be a positive int, got {value!r}")
@@ -71,6 +72,8 @@ class GlobalOffsetSampler:
         self.num_samples = num_samples
         self.global_batch_size = global_batch_size
         self.seed = seed
+        self.shuffle = shuffle
+        """False: every epoch is ``0 .. num_samples - 1`` in order (a ``DataLoader`` without ``shuffle``)."""
         self.steps_per_epoch = num_samples // global_batch_size
         self._offset = 0
         # One epoch's permutation is reused by every step of that epoch.
@@ -119,8 +122,11 @@ class GlobalOffsetSampler:
         if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
             raise SamplerStateError(f"epoch must be a non-negative int, got {epoch!r}")
         if self._cached_epoch != epoch:
-            generator = torch.Generator().manual_seed(mix_seed(self.seed, epoch))
-            self._cached_permutation = torch.randperm(self.num_samples, generator=generator)
+            if self.shuffle:
+                generator = torch.Generator().manual_seed(mix_seed(self.seed, epoch))
+                self._cached_permutation = torch.randperm(self.num_samples, generator=generator)
+            else:
+                self._cached_permutation = torch.arange(self.num_samples)
             self._cached_epoch = epoch
         assert self._cached_permutation is not None
         return self._cached_permutation

@@ -14,7 +14,9 @@ num_workers=0)``; Lightning never injects a ``DistributedSampler`` into an itera
 * the stream runs in the process that commits: ``num_workers`` must be 0, which ``__iter__`` checks. Worker
   processes would each hold a copy whose offset never sees the commits.
 
-Each item is a dict of tensors with batch dimension ``m = micro_batch_size``: ``inputs`` [m, T], ``targets``
+With ``collate_fn`` (a user's ``DataLoader``'s) an item is ``collate_fn([dataset[i] for i in ids])``, whatever
+that returns; :meth:`MicroBatchStream.take_produced` names its samples. Without it, each item is a dict of tensors
+with batch dimension ``m = micro_batch_size``: ``inputs`` [m, T], ``targets``
 [m, T], ``sample_ids`` [m] (dataset indices: the data ledger), ``step_offset`` [m] (the offset of the optimizer
 step the micro-batch belongs to) and ``micro_step`` [m] (its index within the accumulation window, 0-based).
 The last two are per-sample columns, not Python ints, so Lightning's batch-size inference sees one batch
@@ -23,7 +25,9 @@ size; compare ``batch["step_offset"][0]`` with ``stream.offset`` to detect a sta
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,6 +37,15 @@ from lightning_emig.data.batching import BatchPlan
 from lightning_emig.data.sampler import GlobalOffsetSampler
 
 MicroBatch = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class ProducedBatch:
+    """The samples of one produced micro-batch (the data ledger's record)."""
+
+    step_offset: int
+    micro_step: int
+    sample_ids: tuple[int, ...]
 
 
 class StaleIteratorError(RuntimeError):
@@ -50,6 +63,7 @@ class MicroBatchStream(IterableDataset[MicroBatch]):
         *,
         dp_degree: int | None = None,
         dp_rank: int | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
     ) -> None:
         size = len(dataset) if hasattr(dataset, "__len__") else None  # type: ignore[arg-type]
         if size is not None and size != sampler.num_samples:
@@ -61,6 +75,8 @@ class MicroBatchStream(IterableDataset[MicroBatch]):
         self.dataset = dataset
         self.sampler = sampler
         self.micro_batch_size = micro_batch_size
+        self.collate_fn = collate_fn
+        self._produced: deque[ProducedBatch] = deque()
         self._topology: tuple[int, int] | None = None
         # Bumped whenever a live iterator would start reading wrong samples; iterators remember theirs.
         self._generation = 0
@@ -159,7 +175,19 @@ class MicroBatchStream(IterableDataset[MicroBatch]):
                 yield batch
             offset += global_batch_size
 
-    def _collate(self, ids: Sequence[int], step_offset: int, micro_step: int) -> MicroBatch:
+    def take_produced(self) -> ProducedBatch | None:
+        """Which samples form the oldest micro-batch produced and not taken yet (None: none).
+
+        Loaders hand micro-batches to the training step in the order this stream produced them (a prefetch only
+        runs ahead), so taking one record per micro-batch that reaches ``training_step`` names its samples whatever
+        the batch looks like (a user's ``collate_fn`` keeps no ids). Records of an iterator that became stale are
+        dropped with it."""
+        return self._produced.popleft() if self._produced else None
+
+    def _collate(self, ids: Sequence[int], step_offset: int, micro_step: int) -> Any:
+        self._produced.append(ProducedBatch(step_offset, micro_step, tuple(ids)))
+        if self.collate_fn is not None:
+            return self.collate_fn([self.dataset[i] for i in ids])
         inputs, targets = zip(*(_split_sample(self.dataset[i]) for i in ids), strict=True)
         m = len(ids)
         return {
@@ -182,6 +210,7 @@ class MicroBatchStream(IterableDataset[MicroBatch]):
     def _invalidate_iterators(self) -> None:
         self._generation += 1
         self._produced_end = None
+        self._produced.clear()
 
     def _require_topology(self) -> tuple[int, int]:
         if self._topology is None:

@@ -1,17 +1,20 @@
 """The training state as migratable tensors: each one's name, sharding under a layout, and local storage.
 
-Keys are stable across layouts: ``param/<fqn>`` for parameters and ``optim/<fqn>/<state>`` for per-parameter
-optimizer state (TP and FSDP2 never rename parameters). Invariants:
+Keys are stable across layouts: ``param/<fqn>`` for parameters, ``buffer/<fqn>`` for persistent buffers and
+``optim/<fqn>/<state>`` for per-parameter optimizer state (TP and FSDP2 never rename parameters). What moves is what
+the module's and the optimizer's state dicts hold. Invariants:
 
 * a parameter-shaped optimizer state (AdamW's ``exp_avg``, ``exp_avg_sq``) has its parameter's sharding;
 * a scalar optimizer state (AdamW's ``step``) is held whole by every rank;
 * anything else (a state of another shape) is refused with :class:`UnsupportedStateError`, never guessed;
+* a DTensor's local shard has the shape our geometry computes from its placements (checked at capture);
 * ``local`` is the tensor this rank actually trains with (``DTensor._local_tensor`` or the plain tensor), so
   writing into it changes the live state without a copy.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -55,9 +58,39 @@ def spec_of(tensor: torch.Tensor) -> ShardingSpec:
         names = tensor.device_mesh.mesh_dim_names
         if names is None:
             raise ValueError("a DTensor's mesh must have named axes to be migrated")
-        return ShardingSpec(tuple(tensor.shape), tensor.dtype, tuple(names), tuple(tensor.placements))
+        spec = ShardingSpec(tuple(tensor.shape), tensor.dtype, tuple(names), tuple(tensor.placements))
+        _check_local_geometry(spec, tensor)
+        return spec
     # A plain tensor is whole on every rank (no TP, no FSDP: e.g. one process, or a scalar state).
     return ShardingSpec(tuple(tensor.shape), tensor.dtype, (), ())
+
+
+class GeometryMismatchError(RuntimeError):
+    """The shard this rank really holds differs from the one our geometry computes from its placements."""
+
+
+def _check_local_geometry(spec: ShardingSpec, tensor: DTensor) -> None:
+    """Fail loudly if the local shard's shape is not what the geometry planning relies on says (a change in how
+    torch lays out ``_StridedShard`` or uneven shards would otherwise plan wrong boxes and move wrong bytes)."""
+    coordinate = tensor.device_mesh.get_coordinate()
+    if coordinate is None:
+        return
+    expected = _expected_local_shape(spec.global_shape, tuple(tensor.device_mesh.shape), spec.placements,
+                                     tuple(coordinate))
+    actual = tuple(tensor._local_tensor.shape)  # noqa: SLF001 - the real local storage
+    if expected != actual:
+        raise GeometryMismatchError(
+            f"a DTensor of global shape {spec.global_shape} with placements {spec.placements} holds a local shard "
+            f"of shape {actual} at mesh coordinate {tuple(coordinate)}, but lightning_emig's geometry computes "
+            f"{expected}: this torch version lays shards out differently; migration would move wrong bytes"
+        )
+
+
+@functools.lru_cache(maxsize=4096)
+def _expected_local_shape(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[object, ...],
+                          coordinate: tuple[int, ...]) -> tuple[int, ...] | None:
+    holding = TensorSharding.create(global_shape, mesh_shape, placements).holding(coordinate)
+    return tuple(holding.local_shape) if holding is not None else None
 
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -65,8 +98,22 @@ def local_of(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def model_state(model: torch.nn.Module) -> Iterator[StateTensor]:
-    for name, param in model.named_parameters():
-        yield StateTensor(f"param/{name}", spec_of(param), local_of(param.data))
+    """Everything ``model.state_dict()`` holds: parameters (``param/<fqn>``) and persistent buffers
+    (``buffer/<fqn>``), sharded or not. A tensor registered under two names (tied weights) is moved once, under its
+    first name. Non-tensor entries (``get_extra_state``) cannot be migrated and are refused by name."""
+    parameters = {id(p) for p in model.parameters()}
+    seen: set[int] = set()
+    for name, value in model.state_dict(keep_vars=True).items():
+        if not isinstance(value, torch.Tensor):
+            raise UnsupportedStateError(
+                f"module state {name!r} is a {type(value).__name__}, not a tensor (get_extra_state?): only tensor "
+                "state can be migrated; keep it in a buffer or rebuild it in configure_model"
+            )
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        kind = "param" if id(value) in parameters else "buffer"
+        yield StateTensor(f"{kind}/{name}", spec_of(value), local_of(value.data))
 
 
 def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[StateTensor]:

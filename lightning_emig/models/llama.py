@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lightning_emig.models.base import TensorParallelPlan
+
+if TYPE_CHECKING:
+    from lightning_emig.layout import HybridLayout
 
 #: Smallest vocabulary: the corpus is byte level.
 BYTE_VOCAB_SIZE = 256
@@ -212,6 +216,12 @@ class Llama(nn.Module):
         return self.output(self.norm(h))
 
     # ------------------------------------------------------------ parallelism hooks
+    def validate_layout(self, layout: HybridLayout) -> None:
+        """Raise :class:`~lightning_emig.layout.LayoutError` for a layout this model cannot be split by."""
+        c = self.config
+        layout.validate_for_model(n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, ffn_hidden=c.ffn_hidden,
+                                  n_layers=c.n_layers)
+
     def blocks(self) -> list[nn.Module]:
         return list(self.layers.values())
 

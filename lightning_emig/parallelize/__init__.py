@@ -2,6 +2,8 @@
 
 Invariants:
 
+* any ``nn.Module`` can be parallelized: the tensor-parallel plan and the FSDP2 blocks are arguments (or come from
+  the model's own ``tensor_parallel_plan()`` / ``blocks()`` when it offers them);
 * the order is fixed: validate the layout against the model, tensor parallelism, then FSDP2 — FSDP2 must see the
   TP DTensors to shard them further (and produces ``_StridedShard`` placements on TP-sharded dim 0);
 * pipeline parallelism is refused loudly until it exists;
@@ -18,27 +20,49 @@ from lightning_emig.parallelize.init import materialize_and_init, materialize_em
 from lightning_emig.parallelize.tensor_parallel import apply_tensor_parallel
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from torch import nn
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor.parallel import ParallelStyle
 
     from lightning_emig.layout import LayoutMesh
+    from lightning_emig.models.base import TensorParallelPlan
 
 
-def parallelize_model(model: nn.Module, layout_mesh: LayoutMesh) -> nn.Module:
-    """Apply TP then FSDP2 for ``layout_mesh.layout`` to ``model`` (in place); return it."""
+def parallelize_model(
+    model: nn.Module,
+    layout_mesh: LayoutMesh,
+    *,
+    tp_plan: TensorParallelPlan | dict[str, ParallelStyle] | None = None,
+    blocks: Sequence[nn.Module] | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> nn.Module:
+    """Apply TP then FSDP2 for ``layout_mesh.layout`` to ``model`` (in place, on the meta device); return it.
+
+    Works for any ``nn.Module``:
+
+    * ``tp_plan``: torch's ``parallelize_module`` plan, applied to the root (fqns may use ``*``, e.g.
+      ``{"blocks.*.attn.q": ColwiseParallel()}``), or a :class:`TensorParallelPlan`. Default: the model's own
+      ``tensor_parallel_plan()`` if it has one. Needed only when ``tp > 1``.
+    * ``blocks``: the submodules each made one FSDP2 unit (one all-gather per block); the root takes the rest.
+      Default: the model's ``blocks()`` if it has one, else the whole model is one unit.
+    * a model with ``validate_layout(layout)`` is asked first (e.g. ``tp`` must divide its heads).
+    """
     layout = layout_mesh.layout
-    config = model.config
-    layout.validate_for_model(
-        n_heads=config.n_heads,
-        n_kv_heads=config.n_kv_heads,
-        ffn_hidden=config.ffn_hidden,
-        n_layers=config.n_layers,
-    )
+    validate = getattr(model, "validate_layout", None)
+    if callable(validate):
+        validate(layout)
     if layout.pp > 1:
         raise NotImplementedError(
             f"pipeline parallelism (pp>1) is not yet supported; got {layout.describe()}. Use pp=1."
         )
-    apply_tensor_parallel(model, layout_mesh[MeshAxis.TP])
-    apply_fsdp(model, layout_mesh)
+    if tp_plan is None and hasattr(model, "tensor_parallel_plan"):
+        tp_plan = model.tensor_parallel_plan()  # type: ignore[operator]
+    if blocks is None:
+        blocks = list(model.blocks()) if hasattr(model, "blocks") else []  # type: ignore[operator]
+    apply_tensor_parallel(model, layout_mesh[MeshAxis.TP], tp_plan, blocks)
+    apply_fsdp(model, layout_mesh, blocks=blocks, mp_policy=mp_policy)
     return model
 
 

@@ -2,7 +2,7 @@
 
 Invariants:
 
-* every block is its own FSDP2 unit (one all-gather / reduce-scatter per block), then the root takes what is
+* every block (given, or the model's ``blocks()``) is its own FSDP2 unit (one all-gather / reduce-scatter per block), then the root takes what is
   left (embedding, final norm, output projection);
 * parameters are sharded on dim 0 over ``dp_shard``; with ``dp_replicate > 1`` the mesh is the 2-D
   ``(dp_replicate, dp_shard)`` mesh (HSDP: replicate across the first axis, shard across the second);
@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING
 from lightning_emig.layout import MeshAxis
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from lightning_emig.layout import LayoutMesh
-    from lightning_emig.models.base import ParallelizableModel
 
 
 def data_parallel_mesh(layout_mesh: LayoutMesh) -> DeviceMesh | None:
@@ -37,22 +38,26 @@ def data_parallel_mesh(layout_mesh: LayoutMesh) -> DeviceMesh | None:
 
 
 def apply_fsdp(
-    model: ParallelizableModel,
+    model: nn.Module,
     layout_mesh: LayoutMesh,
     *,
+    blocks: Sequence[nn.Module] | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
 ) -> None:
-    """Wrap each block, then the root, with ``fully_shard`` in place (no-op when ``dp == 1``)."""
+    """Wrap each of ``blocks`` (default: ``model.blocks()`` if it has one), then the root, with ``fully_shard`` in
+    place (no-op when ``dp == 1``)."""
     mesh = data_parallel_mesh(layout_mesh)
     if mesh is None:
         return
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    if blocks is None:
+        blocks = list(model.blocks()) if hasattr(model, "blocks") else []  # type: ignore[operator]
     policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
-    for block in model.blocks():
+    for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    root: nn.Module = model  # type: ignore[assignment]
+    root: nn.Module = model
     # The root's parameters are needed first in backward (output projection), so FSDP2 keeps them unsharded
     # after forward by default; leave that choice to it.
     fully_shard(root, mesh=mesh, mp_policy=policy)

@@ -7,7 +7,8 @@ Invariants:
   same full weights for any layout, world size or device, and adding a parameter does not shift the others;
 * the local slice is cut by our shard geometry (``TensorSharding``), which follows the parameter's own placements
   exactly as FSDP2 stores them — including uneven ``_StridedShard`` on TP-sharded dims — and communicates nothing;
-* non-persistent buffers (RoPE tables) are recomputed by the model's ``init_buffers`` hook;
+* buffers are filled by an ``init_buffers`` hook (the model's by default): non-persistent ones (RoPE tables) are
+  never migrated, persistent ones are then overwritten by a migration;
 * works without ``torch.distributed`` initialized (plain tensors).
 
 Cost: every rank generates every full parameter once (CPU time ~ model size, memory ~ the largest parameter).
@@ -16,14 +17,16 @@ Cost: every rank generates every full parameter once (CPU time ~ model size, mem
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from lightning_emig.models.base import ParallelizableModel
+InitParameter = Callable[[str, torch.Tensor, torch.Generator], None]
+"""Fills the full (unsharded) value of the named parameter in place from the generator."""
 
 
 def parameter_seed(seed: int, name: str) -> int:
@@ -32,11 +35,11 @@ def parameter_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def full_initial_value(model: ParallelizableModel, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
-    """The full float32 initial value of parameter ``name`` (on the CPU)."""
+def full_initial_value(init: InitParameter, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+    """The full float32 initial value of parameter ``name`` (on the CPU), filled by ``init``."""
     generator = torch.Generator(device="cpu").manual_seed(parameter_seed(seed, name))
     full = torch.empty(shape, dtype=torch.float32)
-    model.init_full_parameter(name, full, generator)
+    init(name, full, generator)
     return full
 
 
@@ -68,15 +71,24 @@ def local_slice(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     return local
 
 
-def materialize_and_init(model: ParallelizableModel, device: torch.device | str, seed: int) -> None:
-    """Allocate ``model``'s (possibly sharded) storage on ``device`` and fill it deterministically from ``seed``."""
+def materialize_and_init(
+    model: nn.Module, device: torch.device | str, seed: int, *, init_parameter: InitParameter | None = None,
+    init_buffers: Callable[[], None] | None = None,
+) -> None:
+    """Allocate ``model``'s (possibly sharded) storage on ``device`` and fill it deterministically from ``seed``.
+
+    ``init_parameter(name, full, generator)`` fills the *full* (unsharded) CPU value of parameter ``name`` in place
+    from ``generator`` (default: the model's ``init_full_parameter``); ``init_buffers()`` fills every buffer
+    (default: the model's ``init_buffers``, if it has one). The same seed gives the same full weights under every
+    layout.
+    """
     from torch.distributed.tensor import DTensor
 
-    module: nn.Module = model  # type: ignore[assignment]
-    module.to_empty(device=device)
+    init = init_parameter or _model_hook(model, "init_full_parameter")
+    model.to_empty(device=device)
     with torch.no_grad():
-        for name, param in module.named_parameters():
-            full = full_initial_value(model, name, param.shape, seed).to(param.dtype)
+        for name, param in model.named_parameters():
+            full = full_initial_value(init, name, param.shape, seed).to(param.dtype)
             local = param.to_local() if isinstance(param, DTensor) else param
             piece = local_slice(param, full)
             if piece.shape != local.shape:
@@ -85,15 +97,36 @@ def materialize_and_init(model: ParallelizableModel, device: torch.device | str,
                     f"{tuple(local.shape)} (placements {getattr(param, 'placements', None)})"
                 )
             local.copy_(piece)
-        model.init_buffers()
+        _fill_buffers(model, init_buffers)
 
 
-def materialize_empty(model: ParallelizableModel, device: torch.device | str) -> None:
-    """Allocate ``model``'s storage on ``device`` without initializing parameters (a migration fills them).
-
-    Non-persistent buffers, which are not migrated, are still computed.
-    """
-    module: nn.Module = model  # type: ignore[assignment]
-    module.to_empty(device=device)
+def materialize_empty(model: nn.Module, device: torch.device | str, *,
+                      init_buffers: Callable[[], None] | None = None) -> None:
+    """Allocate ``model``'s storage on ``device`` without initializing parameters (a migration fills them, and its
+    persistent buffers). Buffers are still filled by ``init_buffers`` (default: the model's, if any), so the
+    non-persistent ones, which are not migrated, hold their values."""
+    model.to_empty(device=device)
     with torch.no_grad():
-        model.init_buffers()
+        _fill_buffers(model, init_buffers)
+
+
+def _fill_buffers(model: nn.Module, init_buffers: Callable[[], None] | None) -> None:
+    hook = init_buffers or getattr(model, "init_buffers", None)
+    if hook is not None:
+        hook()
+    elif any(True for _ in model.buffers()):
+        raise ValueError(
+            f"{type(model).__name__} has buffers but no init_buffers(): after to_empty they hold garbage; pass "
+            "init_buffers= (a function that fills every buffer) or give the model an init_buffers() method"
+        )
+
+
+def _model_hook(model: nn.Module, name: str) -> Any:
+    hook = getattr(model, name, None)
+    if hook is None:
+        raise ValueError(
+            f"{type(model).__name__} has no {name}(name, full, generator): pass init_parameter= (a function that "
+            "fills the full value of a parameter in place from a generator) to initialise it the same under "
+            "every layout"
+        )
+    return hook

@@ -1,4 +1,5 @@
-"""Tensor parallelism: apply a model's own :class:`~lightning_emig.models.base.TensorParallelPlan`.
+"""Tensor parallelism: apply a tensor-parallel plan (torch's ``parallelize_module`` form, or a model's own
+:class:`~lightning_emig.models.base.TensorParallelPlan`).
 
 Invariants:
 
@@ -16,27 +17,51 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ParallelStyle
 
-    from lightning_emig.models.base import ParallelizableModel
+    from lightning_emig.models.base import TensorParallelPlan
 
 
-def apply_tensor_parallel(model: ParallelizableModel, tp_mesh: DeviceMesh) -> None:
-    """Shard ``model`` in place over the 1-D ``tp_mesh`` (no-op when its size is 1)."""
+def apply_tensor_parallel(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    plan: TensorParallelPlan | dict[str, ParallelStyle] | None = None,
+    blocks: Sequence[nn.Module] | None = None,
+) -> None:
+    """Shard ``model`` in place over the 1-D ``tp_mesh`` (no-op when its size is 1).
+
+    ``plan``: a ``parallelize_module`` plan for the root (fqns may use ``*``), or a :class:`TensorParallelPlan`
+    whose ``block`` part is applied to each of ``blocks`` (default: ``model.blocks()``); default: the model's own
+    ``tensor_parallel_plan()``.
+    """
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel needs a 1-D tensor-parallel mesh, got {tp_mesh.ndim} axes")
     if tp_mesh.size() == 1:
         return
     from torch.distributed.tensor.parallel import parallelize_module
 
-    plan = model.tensor_parallel_plan()
-    root: nn.Module = model  # type: ignore[assignment]
-    parallelize_module(root, tp_mesh, plan.root)
-    for block in model.blocks():
-        parallelize_module(block, tp_mesh, plan.block)
+    from lightning_emig.models.base import TensorParallelPlan
+
+    if plan is None:
+        if not hasattr(model, "tensor_parallel_plan"):
+            raise ValueError(
+                f"tp={tp_mesh.size()} needs a tensor-parallel plan: pass tp_plan={{fqn: ColwiseParallel() | "
+                f"RowwiseParallel() | ...}} (torch's parallelize_module form) or give {type(model).__name__} a "
+                "tensor_parallel_plan() method"
+            )
+        plan = model.tensor_parallel_plan()  # type: ignore[operator]
+    if isinstance(plan, dict):
+        plan = TensorParallelPlan(root=plan, block={})
+    parallelize_module(model, tp_mesh, plan.root)
+    if plan.block:
+        for block in list(model.blocks()) if blocks is None else blocks:  # type: ignore[operator]
+            parallelize_module(block, tp_mesh, plan.block)
     if plan.sequence_dim is not None:
-        root.register_forward_pre_hook(_sequence_length_check(plan.sequence_dim, tp_mesh.size()))
+        model.register_forward_pre_hook(_sequence_length_check(plan.sequence_dim, tp_mesh.size()))
 
 
 def _sequence_length_check(dim: int, tp: int) -> Callable[[nn.Module, tuple[Any, ...]], None]:

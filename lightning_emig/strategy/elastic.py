@@ -32,6 +32,7 @@ from typing_extensions import override
 
 from lightning_emig.data.batching import BatchPlan
 from lightning_emig.data.loader import MicroBatchLoader
+from lightning_emig.data.stream import MicroBatchStream
 from lightning_emig.layout import HybridLayout, LayoutMesh, build_mesh
 from lightning_emig.migration.transfer import DEFAULT_BUCKET_BYTES
 from lightning_emig.strategy.async_checkpoint import AsyncCheckpointWriter
@@ -41,7 +42,7 @@ from lightning_emig.strategy.boundary import (
     rescale_batch_progress,
     restart_training_iterator,
 )
-from lightning_emig.strategy.reconfigure import ReconfigureEvent, reconfigure_live
+from lightning_emig.strategy.reconfigure import ReconfigureEvent, reconfigure_live, validate_layout_for_module
 from lightning_emig.strategy.rng import gather_rng_states, restore_rng_for_rank
 from lightning_emig.training.events import publish_event
 from lightning_emig.training.resume import restart_reason
@@ -72,11 +73,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         seed: Seed used to re-derive RNG states for ranks that have no saved state after a world change.
         bucket_bytes: Memory budget of a migration's transfer buffers per process (default 256 MiB).
         checksum: Verify every migrated bucket with a CRC32 (costs a pass over the bytes on both ends).
-        handoff: Live state carried over from the previous generation's ``Trainer.fit`` in this process
-            (``fit(ckpt_path="live")`` then moves it into the new world).
         failure: Heartbeat and failure-detection settings (under ``lightning-emig-run``).
-        rollback: This fit restores a checkpoint after an abrupt failure left state without a surviving copy
-            (its process group is already formed); the fit records the ``failure`` event.
         async_checkpoints: Checkpoints saved while training runs (the periodic ones) are written in the background
             (:class:`~lightning_emig.strategy.async_checkpoint.AsyncCheckpointWriter`): training waits only for the
             copy to CPU memory. Saves outside training stay synchronous.
@@ -93,9 +90,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         seed: int = 0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         checksum: bool = False,
-        handoff: LiveHandoff | None = None,
         failure: FailureSettings | None = None,
-        rollback: Rollback | None = None,
         async_checkpoints: bool = False,
     ) -> None:
         super().__init__(
@@ -120,7 +115,8 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         """True while ``configure_model`` runs for a migration: it may skip initialisation."""
         self.events: list[ReconfigureEvent] = []
         self._pending_layout: HybridLayout | None = None
-        self._incoming_handoff = handoff
+        self._incoming_handoff: LiveHandoff | None = None
+        """Live state carried over from the previous fit of this ``Trainer.fit`` call (see ``prepare_next_fit``)."""
         self.pending_handoff: LiveHandoff | None = None
         """Set by ``RendezvousCallback`` when this fit stops to hand its state to a newer generation."""
         from lightning_emig.membership.failure import FailureSettings  # the membership package imports us
@@ -129,11 +125,14 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         self.last_boundary: LiveHandoff | None = None
         """This process's live state and resume metadata at the last optimizer-step boundary (or right after a live
         join): what survives an abrupt failure of a peer (see :mod:`lightning_emig.membership.failure`)."""
-        self._rollback = rollback
-        self.generation = handoff.generation if handoff is not None else _start_generation()
-        if rollback is not None:
-            self.generation = rollback.generation
+        self._rollback: Rollback | None = None
+        """Set when the next fit restores a checkpoint after an abrupt failure left state without a surviving copy
+        (its process group is already formed); that fit records the ``failure`` event."""
+        self.generation = _start_generation()
         """The launcher generation this fit runs in (0 outside ``lightning-emig-run``)."""
+        self.left_job = False
+        """This process's node was preempted and handed its state over: it is no longer part of the job."""
+        self._accumulation_written: int | None = None
         self._join: tuple[JoinResult, float] | None = None
         self.live_resume_step: int | None = None
         """The step a live handoff resumed at (its state was never written; no checkpoint is due for it)."""
@@ -186,10 +185,44 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             return False
         return self._incoming_handoff is not None or joining_live()
 
+    # ------------------------------------------------------------- lifecycle
+    @override
+    def _configure_launcher(self) -> None:
+        from lightning_emig.membership.group import under_launcher
+
+        if under_launcher():  # one fit call follows every membership change (see elastic_fit)
+            from lightning_emig.strategy.elastic_fit import ElasticFitLauncher
+
+            self._launcher = ElasticFitLauncher(self)
+            return
+        super()._configure_launcher()
+
+    def prepare_next_fit(self, *, handoff: LiveHandoff | None = None, rollback: Rollback | None = None) -> None:
+        """Between two fits of one ``Trainer.fit`` call: the next one takes ``handoff`` live, or restores a
+        checkpoint after ``rollback`` (its process group is formed either way)."""
+        self._incoming_handoff = handoff
+        self._rollback = rollback
+        self.pending_handoff = None
+        self.last_boundary = None
+        self._join = None
+        self.resumed_from = None
+        if handoff is not None:
+            self.generation = handoff.generation
+        if rollback is not None:
+            self.generation = rollback.generation
+
+    def checkpoint_dir(self, trainer: pl.Trainer) -> Path | None:
+        """Where the trainer's ``ModelCheckpoint`` writes (a rollback restores the newest complete one there)."""
+        callback = trainer.checkpoint_callback
+        dirpath = getattr(callback, "dirpath", None)
+        return Path(dirpath) if dirpath else None
+
     @override
     def setup_environment(self) -> None:
         from lightning_emig.membership.group import under_launcher
 
+        if self._checkpoint_writer.closed:  # the previous fit of this Trainer.fit call closed it
+            self._checkpoint_writer = AsyncCheckpointWriter(self.timeout)
         if under_launcher():
             from lightning_emig.membership.heartbeat import start_heartbeat
 
@@ -209,6 +242,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             layout = layout_for_new_world(self._requested_layout, self.world_size)
         else:
             layout = self._requested_layout.resolve(self.world_size)
+        validate_layout_for_module(self.lightning_module, layout)
         plan = BatchPlan(
             global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size, dp_degree=layout.dp
         )
@@ -250,9 +284,13 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        if trainer.max_steps < 0:
+            raise ValueError(
+                "ElasticMigrationStrategy trains by optimizer steps (its data stream has no epoch end that survives "
+                "a change of world): set Trainer(max_steps=...)"
+            )
         self._apply_gradient_accumulation(trainer)
-        if not any(isinstance(cb, StepBoundaryHook) for cb in trainer.callbacks):
-            trainer.callbacks.append(StepBoundaryHook())
+        _add_callbacks(trainer)
         super().setup(trainer)
 
     # ---------------------------------------------------------- reconfigure
@@ -294,7 +332,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
     def _restart_data(self, trainer: pl.Trainer) -> None:
         """After a layout change: new accumulation, new data-parallel coordinate, fresh data iterator."""
         old_accumulation = trainer.accumulate_grad_batches
-        trainer.accumulate_grad_batches = self.batch_plan.grad_accumulation
+        trainer.accumulate_grad_batches = self._accumulation_written = self.batch_plan.grad_accumulation
         for loader in self._loaders:
             loader.stream.set_topology(self.layout.dp, self.layout_mesh.dp_rank)
         restart_training_iterator(trainer, old_accumulation)
@@ -302,12 +340,13 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
     def _apply_gradient_accumulation(self, trainer: pl.Trainer) -> None:
         requested = trainer.accumulate_grad_batches
         derived = self.batch_plan.grad_accumulation
-        if requested not in (1, derived):
+        # The value an earlier fit of the same Trainer.fit call (another world) wrote is ours, not the user's.
+        if requested not in (1, derived, self._accumulation_written):
             raise ValueError(
                 f"Trainer(accumulate_grad_batches={requested}) conflicts with the strategy's batch plan "
                 f"({self.batch_plan.describe()}); leave accumulate_grad_batches unset, the strategy derives it"
             )
-        trainer.accumulate_grad_batches = derived
+        trainer.accumulate_grad_batches = self._accumulation_written = derived
 
     @property
     @override
@@ -317,9 +356,30 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
     # -------------------------------------------------------------------- data
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        if isinstance(dataloader, MicroBatchLoader):
-            self._attach_loader(dataloader)
+        """The training loader, made elastic: a :class:`MicroBatchLoader` as it is, a user's ``DataLoader`` read
+        through the global-offset sampler (:func:`~lightning_emig.data.adopt.adopt_dataloader`); anything else is
+        refused. Evaluation loaders pass through."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None and not trainer.training:
+            return dataloader
+        if not isinstance(dataloader, MicroBatchLoader):
+            from torch.utils.data import DataLoader
+
+            from lightning_emig.data.adopt import USE_INSTEAD, DataLoaderNotElasticError, adopt_dataloader
+
+            if not isinstance(dataloader, DataLoader):
+                raise DataLoaderNotElasticError(
+                    f"the training data is a {type(dataloader).__name__}, not a DataLoader; {USE_INSTEAD}"
+                )
+            dataloader = adopt_dataloader(dataloader, global_batch_size=self.global_batch_size,
+                                          micro_batch_size=self.micro_batch_size, seed=self.seed)
+        self._attach_loader(dataloader)
         return dataloader
+
+    @property
+    def data_streams(self) -> list[MicroBatchStream]:
+        """The streams of the training loaders this fit reads (their position is the job's data position)."""
+        return [loader.stream for loader in self._loaders]
 
     def _attach_loader(self, loader: MicroBatchLoader) -> None:
         stream = loader.stream
@@ -348,6 +408,12 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
     # -------------------------------------------------------------- checkpoint
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
+        if self.pending_handoff is not None:
+            # The state is being handed to a new generation (a drain may already have released it): the live path
+            # is the copy; a save now would cost the change's downtime or write released storage.
+            log.warning("checkpoint %s skipped: the state is being handed to generation %d", filepath,
+                        self.pending_handoff.generation)
+            return
         checkpoint[CHECKPOINT_KEY] = {
             "layout": self.layout.as_dict(),
             "world_size": self.world_size,
@@ -472,6 +538,20 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             metadata=copy.deepcopy(metadata), last_step_wall=last_step_wall,
         )
 
+    def record_prior_event(self, trainer: pl.Trainer, handoff: LiveHandoff, waited: float) -> None:
+        """Record the failure or preemption that left the survivors below MIN; the join that follows is another
+        event. Called in the survivors' generation (this process's rank is its rank there)."""
+        prior, handoff.prior = handoff.prior, None
+        assert prior is not None
+        self._record_event(trainer, ReconfigureEvent(
+            kind=prior["kind"], step=int(handoff.metadata["global_step"]), old_layout=prior["old_layout"],
+            new_layout=handoff.old_layout.as_dict(), old_world=prior["old_world"], new_world=handoff.old_world,
+            bytes_moved=prior["bytes_moved"], bytes_copied_locally=prior["bytes_copied_locally"],
+            seconds={**handoff.seconds, "below_min_wait": waited}, generation=handoff.generation,
+            steps_rolled_back=prior.get("steps_rolled_back"),
+        ))
+        handoff.seconds = {"below_min_wait": waited}
+
     def finish_join_event(self, trainer: pl.Trainer) -> None:
         """Record the join once the first step on the new world has finished (or the fit ends without one)."""
         if self._join is None:
@@ -513,6 +593,26 @@ class ResumedCheckpoint:
     load_seconds: float
     restart_reason: str | None
     """Why this start was a restart (see :func:`lightning_emig.training.resume.restart_reason`), else None."""
+
+
+def _add_callbacks(trainer: pl.Trainer) -> None:
+    """The strategy's own callbacks, added once: the step-boundary hook always, the rendezvous callback under
+    ``lightning-emig-run``. Both run before any checkpoint callback, so a step that hands the state over is known
+    to be one before a periodic save would fall on it."""
+    from lightning.pytorch.callbacks import Checkpoint
+
+    from lightning_emig.membership.callback import RendezvousCallback
+    from lightning_emig.membership.group import under_launcher
+
+    wanted: list[Any] = [StepBoundaryHook()]
+    if under_launcher():
+        wanted.append(RendezvousCallback())
+    for callback in wanted:
+        if any(isinstance(cb, type(callback)) for cb in trainer.callbacks):
+            continue
+        first_checkpoint = next((i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, Checkpoint)),
+                                len(trainer.callbacks))
+        trainer.callbacks.insert(first_checkpoint, callback)
 
 
 def _start_generation() -> int:

@@ -20,6 +20,7 @@ child module to ``None`` first), and hold no other reference to old parameters.
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_emig.strategy.elastic import ElasticMigrationStrategy
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -93,7 +96,7 @@ def reconfigure_live(
     if new_layout == old_layout:
         return None
     show_migration(trainer, f"migrating: reconfigure to {new_layout.describe()}")
-    _validate(module, new_layout)
+    validate_layout_for_module(module, new_layout)
     new_plan = BatchPlan(strategy.global_batch_size, strategy.micro_batch_size, new_layout.dp)
     timer.lap("validate")
 
@@ -137,15 +140,21 @@ def reconfigure_live(
     )
 
 
-def _validate(module: Any, layout: HybridLayout) -> None:
-    config = getattr(module, "model_config", None)
-    if config is not None:
-        layout.validate_for_model(
-            n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, ffn_hidden=config.ffn_hidden,
-            n_layers=config.n_layers,
-        )
+def validate_layout_for_module(module: Any, layout: HybridLayout) -> None:
+    """Refuse ``layout`` before anything moves, by what the module declares: its ``validate_layout(layout)`` raises
+    for a layout its model cannot be split by. A module that declares nothing is not checked (said once)."""
     if layout.pp > 1:
         raise NotImplementedError(f"pipeline parallelism (pp>1) is not yet supported; got {layout.describe()}")
+    validate = getattr(module, "validate_layout", None)
+    if callable(validate):
+        validate(layout)
+    elif type(module) not in _WARNED_UNVALIDATED:
+        _WARNED_UNVALIDATED.add(type(module))
+        log.warning("%s has no validate_layout(layout) method: layouts are not checked against its model (a tp that "
+                    "does not divide its heads fails later, inside configure_model)", type(module).__name__)
+
+
+_WARNED_UNVALIDATED: set[type] = set()
 
 
 def _rebuild_model(strategy: ElasticMigrationStrategy, module: Any) -> None:

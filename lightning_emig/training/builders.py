@@ -21,8 +21,8 @@ from lightning_emig.data.loader import MicroBatchLoader
 from lightning_emig.data.sampler import GlobalOffsetSampler
 from lightning_emig.data.stream import MicroBatchStream
 from lightning_emig.layout import HybridLayout
-from lightning_emig.membership import HandoffAwareCheckpoint, LiveHandoff, RendezvousCallback
-from lightning_emig.membership.failure import FailureSettings, Rollback
+from lightning_emig.membership import HandoffAwareCheckpoint
+from lightning_emig.membership.failure import FailureSettings
 from lightning_emig.strategy import ElasticMigrationStrategy
 from lightning_emig.strategy.schedule import LayoutSchedule
 from lightning_emig.training.csv_log import ContinuedCSVLogger
@@ -58,9 +58,7 @@ def build_loader(cfg: TrainConfig) -> MicroBatchLoader:
     return MicroBatchLoader(MicroBatchStream(dataset, sampler, cfg.trainer.micro_batch_size))
 
 
-def build_strategy(
-    cfg: TrainConfig, handoff: LiveHandoff | None = None, rollback: Rollback | None = None
-) -> ElasticMigrationStrategy:
+def build_strategy(cfg: TrainConfig) -> ElasticMigrationStrategy:
     return ElasticMigrationStrategy(
         layout=HybridLayout(**_section_dict(cfg.layout)),
         global_batch_size=cfg.trainer.global_batch_size,
@@ -69,9 +67,7 @@ def build_strategy(
         seed=cfg.trainer.seed,
         bucket_bytes=cfg.elastic.bucket_mb << 20,
         checksum=cfg.elastic.checksum,
-        handoff=handoff,
         failure=failure_settings(cfg),
-        rollback=rollback,
         async_checkpoints=cfg.trainer.checkpoint_async,
     )
 
@@ -111,25 +107,18 @@ def build_loggers(cfg: TrainConfig, run_dir: Path) -> list[Logger]:
     return loggers
 
 
-def build_run(
-    cfg: TrainConfig, run_dir: Path, *, handoff: LiveHandoff | None = None, rollback: Rollback | None = None,
-    module: LlamaLightningModule | None = None,
-) -> RunParts:
-    """Build a run; with ``handoff`` (and the previous fit's ``module``) the next fit of a live membership change.
-
-    ``module`` is reused so its history (step losses, times) spans generations; its model must have been
-    dropped (every direct child set to None) so ``configure_model`` builds it for the new world.
-    """
+def build_run(cfg: TrainConfig, run_dir: Path) -> RunParts:
+    """The Lightning objects of a run: one ``trainer.fit(module, loader)`` trains it (through every membership
+    change under ``lightning-emig-run``)."""
     _check_sequence_fits_model(cfg)
     devices, num_nodes = _process_topology(cfg)
-    strategy = build_strategy(cfg, handoff, rollback)
-    if module is None:
-        module = LlamaLightningModule(
-            model_size=cfg.model.size,
-            optim=OptimConfig(**_section_dict(cfg.optim)),
-            max_steps=cfg.trainer.max_steps,
-            seed=cfg.trainer.seed,
-        )
+    strategy = build_strategy(cfg)
+    module = LlamaLightningModule(
+        model_size=cfg.model.size,
+        optim=OptimConfig(**_section_dict(cfg.optim)),
+        max_steps=cfg.trainer.max_steps,
+        seed=cfg.trainer.seed,
+    )
     every = cfg.trainer.checkpoint_every_n_steps
     checkpoint = HandoffAwareCheckpoint(
         dirpath=str(run_dir / "checkpoints"),
@@ -158,7 +147,7 @@ def build_run(
 
 
 def _callbacks(cfg: TrainConfig, checkpoint: HandoffAwareCheckpoint, run_dir: Path) -> list[Any]:
-    callbacks: list[Any] = [checkpoint, RendezvousCallback(), StepTimeRecorder(run_dir)]
+    callbacks: list[Any] = [checkpoint, StepTimeRecorder(run_dir)]
     if cfg.trainer.progress_bar:
         callbacks.append(StepProgressBar())
     schedule = build_schedule(cfg)

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_emig.data.stream import ProducedBatch
 from lightning_emig.layout import MeshAxis
 
 if TYPE_CHECKING:
@@ -70,17 +71,18 @@ class DataLedger(Callback):
         if self._fit_start_step is None:
             # The first micro-batch of this fit starts the step the fit started or resumed at.
             self._fit_start_step = trainer.global_step
+        strategy: Any = trainer.strategy
+        produced = _produced_batch(strategy)  # taken on every rank: each stream's queue holds its own batches
         dp_rank, dp_degree, writer = _data_parallel_position(trainer)
         if not writer:
             return
-        strategy: Any = trainer.strategy
         record = {
             "step": trainer.global_step,
-            "offset": int(batch["step_offset"][0]),
-            "micro_step": int(batch["micro_step"][0]),
+            "offset": produced.step_offset,
+            "micro_step": produced.micro_step,
             "dp_rank": dp_rank,
             "dp_degree": dp_degree,
-            "sample_ids": [int(i) for i in batch["sample_ids"].tolist()],
+            "sample_ids": list(produced.sample_ids),
             "generation": getattr(strategy, "generation", None),
             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
             "fit_start_step": self._fit_start_step,
@@ -92,6 +94,17 @@ class DataLedger(Callback):
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+def _produced_batch(strategy: Any) -> ProducedBatch:
+    """The samples of the micro-batch now handed to ``training_step``, from the stream that produced it."""
+    streams = getattr(strategy, "data_streams", [])
+    if len(streams) != 1:
+        raise RuntimeError(f"the data ledger needs exactly one elastic training stream, found {len(streams)}")
+    produced = streams[0].take_produced()
+    if produced is None:
+        raise RuntimeError("the data ledger found no produced micro-batch for the batch being trained on")
+    return produced
 
 
 def _data_parallel_position(trainer: pl.Trainer) -> tuple[int, int, bool]:

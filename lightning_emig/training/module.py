@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
+from lightning_emig.layout import HybridLayout
 from lightning_emig.models.llama import Llama, causal_lm_loss, get_model_config
 from lightning_emig.parallelize import materialize_and_init, materialize_empty, parallelize_model
 from lightning_emig.training.optim import OptimConfig, build_adamw, build_warmup_cosine
@@ -50,6 +51,11 @@ class LlamaLightningModule(pl.LightningModule):
         """``time.perf_counter()`` when each optimizer step's gradients were ready (throughput)."""
         self._loss_sum: torch.Tensor | None = None
         self._micro_batches = 0
+
+    def validate_layout(self, layout: HybridLayout) -> None:
+        """The layouts this module's model can be split by (the strategy asks before any state moves)."""
+        with torch.device("meta"):
+            Llama(self.model_config).validate_layout(layout)
 
     @override
     def configure_model(self) -> None:

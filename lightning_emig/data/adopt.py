@@ -1,0 +1,97 @@
+"""A user's ``DataLoader`` made elastic: its dataset and collation, read through the global-offset sampler.
+
+Lightning injects a ``DistributedSampler`` into a training ``DataLoader``; a sampler that knows only "rank r of n"
+reads wrong samples once the data-parallel degree changes mid-epoch (tensor-parallel peers would read different
+samples, and the next step would replay earlier ones). So the strategy replaces the sampler, as Lightning does, but
+with the :class:`~lightning_emig.data.sampler.GlobalOffsetSampler`: the same dataset, the same ``collate_fn``, the
+same shuffle choice, read from one global sample offset that every checkpoint and every live change carries.
+
+What can be adopted, decided from the loader alone and refused at start with a message otherwise (never trained on
+wrong data):
+
+* a map-style dataset (``__getitem__`` and ``__len__``); an ``IterableDataset`` has no index to re-position;
+* the default batching (``batch_size=micro_batch_size``, no custom ``batch_sampler``);
+* a ``SequentialSampler`` (``shuffle=False``), a ``RandomSampler`` without replacement (``shuffle=True``), or the
+  plain ``DistributedSampler`` Lightning injected for either (its ``shuffle`` and ``seed`` are kept); any other
+  sampler decides the order itself, so it cannot be re-positioned.
+
+Reading happens in the training process (the position must see every optimizer step's commit): ``num_workers`` is
+not used, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
+
+from lightning_emig.data.loader import MicroBatchLoader
+from lightning_emig.data.sampler import GlobalOffsetSampler
+from lightning_emig.data.stream import MicroBatchStream
+
+log = logging.getLogger(__name__)
+
+USE_INSTEAD = (
+    "use a map-style Dataset in a DataLoader(dataset, batch_size=micro_batch_size, shuffle=True|False), or feed "
+    "a lightning_emig.data.MicroBatchLoader"
+)
+
+
+class DataLoaderNotElasticError(ValueError):
+    """A training ``DataLoader`` whose position cannot follow a change of world or layout."""
+
+
+def adopt_dataloader(loader: DataLoader, *, global_batch_size: int, micro_batch_size: int, seed: int
+                     ) -> MicroBatchLoader:
+    """The elastic loader over ``loader``'s dataset and collation (see the module docstring)."""
+    shuffle, sampler_seed = _order_of(loader, seed)
+    if loader.batch_size != micro_batch_size:
+        raise DataLoaderNotElasticError(
+            f"the training DataLoader has batch_size={loader.batch_size} but the strategy's micro_batch_size is "
+            f"{micro_batch_size}: a DataLoader batch is one micro-batch; build both from the same value"
+        )
+    if loader.num_workers > 0:
+        log.warning("DataLoader(num_workers=%d) is read in the training process: the elastic data position must see "
+                    "every optimizer step (worker processes are not used)", loader.num_workers)
+    sampler = GlobalOffsetSampler(len(loader.dataset), global_batch_size, seed=sampler_seed,  # type: ignore[arg-type]
+                                  shuffle=shuffle)
+    return MicroBatchLoader(MicroBatchStream(loader.dataset, sampler, micro_batch_size, collate_fn=loader.collate_fn))
+
+
+def _order_of(loader: DataLoader, seed: int) -> tuple[bool, int]:
+    """``(shuffle, seed)`` of the order ``loader`` reads in; refuses a loader whose order we cannot reproduce."""
+    if isinstance(loader.dataset, IterableDataset):
+        raise DataLoaderNotElasticError(
+            f"the training DataLoader reads an IterableDataset ({type(loader.dataset).__name__}): it cannot be "
+            f"re-positioned when the world or layout changes; {USE_INSTEAD}"
+        )
+    if not hasattr(loader.dataset, "__len__"):
+        raise DataLoaderNotElasticError(f"the training dataset has no __len__; {USE_INSTEAD}")
+    if type(loader.batch_sampler) is not BatchSampler:
+        raise DataLoaderNotElasticError(
+            f"the training DataLoader uses a custom batch_sampler ({type(loader.batch_sampler).__name__}): it decides "
+            f"the order itself and cannot be re-positioned; {USE_INSTEAD}"
+        )
+    sampler = loader.sampler
+    if type(sampler) is SequentialSampler:
+        return False, seed
+    if type(sampler) is RandomSampler:
+        if sampler.replacement or sampler._num_samples is not None:  # noqa: SLF001 - RandomSampler(num_samples=...)
+            raise DataLoaderNotElasticError(
+                f"RandomSampler(replacement=True or num_samples=...) draws a different set each epoch; {USE_INSTEAD}"
+            )
+        return True, seed
+    if type(sampler) is DistributedSampler:  # Lightning's injection, for a Sequential or Random one
+        return bool(sampler.shuffle), int(sampler.seed)
+    raise DataLoaderNotElasticError(
+        f"the training DataLoader uses a custom sampler ({type(sampler).__name__}): it decides the order itself and "
+        f"cannot be re-positioned when the world or layout changes; {USE_INSTEAD}"
+    )
+

@@ -1,0 +1,247 @@
+"""A user's own Lightning script made elastic: a small GPT, a plain ``DataLoader``, one ``trainer.fit``.
+
+Everything model- and data-specific is defined here, as a user would write it; the only lightning-emig parts are the
+strategy (``Trainer(strategy=ElasticMigrationStrategy(...))``), two helpers in ``configure_model`` and the launcher:
+
+    lightning-emig-run --nnodes=1:2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29400 \\
+        --local-addr=127.0.0.2 -m lightning_emig.examples.gpt --max-steps 200 --out outputs/gpt
+    # a second node joins later with the same command (--local-addr=127.0.0.3): the run goes on live
+
+It also runs without the launcher (``python -m lightning_emig.examples.gpt``: one process) and under plain
+``torchrun`` (membership changes then take torchrun's restart path). At the end the last rank 0 writes
+``<out>/summary.json`` (per-step loss, the ``tokens_seen`` buffer, its process id).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_emig import HybridLayout, LayoutError
+from lightning_emig.parallelize import materialize_and_init, materialize_empty, parallelize_model
+from lightning_emig.strategy import ElasticMigrationStrategy
+
+
+# ----------------------------------------------------------------------------------------------- the model
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 96
+    seq_len: int = 32
+    d_model: int = 64
+    n_heads: int = 4
+    n_layers: int = 2
+    d_ff: int = 128
+
+
+class Attention(nn.Module):
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.head_dim = c.d_model // c.n_heads
+        self.q, self.k, self.v = (nn.Linear(c.d_model, c.d_model, bias=False) for _ in range(3))
+        self.proj = nn.Linear(c.d_model, c.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # Under tensor parallelism q/k/v hold this rank's heads only: count them from the local width.
+        q, k, v = (f(x).view(b, t, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(c.d_model), nn.LayerNorm(c.d_model)
+        self.attn = Attention(c)
+        self.fc, self.out = nn.Linear(c.d_model, c.d_ff), nn.Linear(c.d_ff, c.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.config = c
+        self.tok = nn.Embedding(c.vocab_size, c.d_model)
+        self.pos = nn.Embedding(c.seq_len, c.d_model)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layers))
+        self.ln_f = nn.LayerNorm(c.d_model)
+        self.head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        # Persistent: part of the state dict, so it moves with every change (and is checked by the tests).
+        self.register_buffer("tokens_seen", torch.zeros((), dtype=torch.int64))
+        # Not persistent: rebuilt by init_buffers whenever configure_model builds the model.
+        self.register_buffer("positions", torch.arange(c.seq_len), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens) + self.pos(self.positions[: tokens.shape[1]])
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def init_full_parameter(self, name: str, full: torch.Tensor, generator: torch.Generator) -> None:
+        """The full value of each parameter, from its own generator: the same weights under every layout."""
+        if name.endswith("bias"):
+            full.zero_()
+        elif full.dim() == 1:  # LayerNorm weights
+            full.fill_(1.0)
+        else:
+            full.normal_(0.0, 0.02, generator=generator)
+
+    def init_buffers(self) -> None:
+        self.tokens_seen.zero_()
+        self.positions.copy_(torch.arange(self.config.seq_len))
+
+
+#: Megatron-style tensor parallelism in torch's own ``parallelize_module`` form: q/k/v and the first FFN layer split
+#: by output columns, the projections after them by input rows (one all-reduce each); the rest is replicated.
+TP_PLAN = {
+    "blocks.*.attn.q": ColwiseParallel(), "blocks.*.attn.k": ColwiseParallel(), "blocks.*.attn.v": ColwiseParallel(),
+    "blocks.*.attn.proj": RowwiseParallel(), "blocks.*.fc": ColwiseParallel(), "blocks.*.out": RowwiseParallel(),
+}
+
+
+# ------------------------------------------------------------------------------------------------ the data
+class CountingSequences(Dataset):
+    """Sequences that count up from a start token (mod the vocabulary): easy to learn, so the loss falls fast."""
+
+    def __init__(self, size: int, seq_len: int, vocab_size: int) -> None:
+        self.size, self.seq_len, self.vocab_size = size, seq_len, vocab_size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = (index * 7919) % self.vocab_size
+        tokens = (start + torch.arange(self.seq_len + 1)) % self.vocab_size
+        return tokens[:-1], tokens[1:]
+
+
+# ---------------------------------------------------------------------------------------- the Lightning module
+class GPTModule(pl.LightningModule):
+    def __init__(self, model_config: GPTConfig, *, lr: float = 3e-3, max_steps: int = 100, seed: int = 0) -> None:
+        super().__init__()
+        self.model_config = model_config  # any name works: the strategy never guesses attributes
+        self.lr, self.max_steps, self.seed = lr, max_steps, seed
+        self.model: GPT | None = None
+        self.step_losses: dict[int, float] = {}
+        self._micro_losses: list[torch.Tensor] = []
+
+    def validate_layout(self, layout: HybridLayout) -> None:
+        """Asked by the strategy before any layout is used (at start and at every change)."""
+        for what, size in (("heads", self.model_config.n_heads), ("FFN width", self.model_config.d_ff)):
+            if size % layout.tp:
+                raise LayoutError(f"tp={layout.tp} does not divide the model's {what} ({size})")
+
+    def configure_model(self) -> None:
+        if self.model is not None:  # the strategy sets it to None whenever the layout changes
+            return
+        strategy = self.trainer.strategy
+        with torch.device("meta"):
+            model = GPT(self.model_config)
+        parallelize_model(model, strategy.layout_mesh, tp_plan=TP_PLAN, blocks=list(model.blocks))
+        if strategy.migrating:  # a change fills every parameter and persistent buffer: don't initialise
+            materialize_empty(model, strategy.root_device)
+        else:
+            materialize_and_init(model, strategy.root_device, seed=self.seed)
+        self.model = model
+
+    def on_train_start(self) -> None:
+        self._micro_losses.clear()  # a step cut short by a peer's failure left a partial one
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        logits = self.model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        self._micro_losses.append(loss.detach())
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # The mean over every rank is the global batch's mean (tensor-parallel peers hold equal losses).
+        mean = self.trainer.strategy.reduce(torch.stack(self._micro_losses).mean(), reduce_op="mean")
+        self._micro_losses.clear()
+        self.step_losses[self.trainer.global_step] = float(mean)
+        self.log("train/loss", float(mean), prog_bar=True, rank_zero_only=True)
+        plan = self.trainer.strategy.batch_plan
+        self.model.tokens_seen += plan.global_batch_size * self.model_config.seq_len
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0)
+        warmup = 5
+
+        def schedule(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, self.max_steps - warmup))))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+# ------------------------------------------------------------------------------------------------- the script
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("outputs/gpt"), help="run directory (shared by all ranks)")
+    parser.add_argument("--max-steps", type=int, default=100)
+    parser.add_argument("--global-batch-size", type=int, default=8)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (kept when the world allows)")
+    parser.add_argument("--dp-replicate", type=int, default=1, help="2: HSDP, each replica a whole copy")
+    parser.add_argument("--samples", type=int, default=4096)
+    parser.add_argument("--checkpoint-every", type=int, default=10, help="periodic checkpoint interval (steps)")
+    parser.add_argument("--ledger", action="store_true", help="record every sample trained on (data ledger)")
+    parser.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds before a silent peer is dead")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from lightning_emig.membership.failure import FailureSettings
+
+    config = GPTConfig()
+    pl.seed_everything(args.seed, workers=True)
+    strategy = ElasticMigrationStrategy(
+        layout=HybridLayout(dp_replicate=args.dp_replicate, dp_shard=-1, tp=args.tp),
+        global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+        timeout=timedelta(seconds=60), seed=args.seed, async_checkpoints=True,
+        failure=FailureSettings(heartbeat_interval_s=0.5, heartbeat_timeout_s=args.heartbeat_timeout),
+    )
+    callbacks: list[Any] = [ModelCheckpoint(dirpath=args.out / "checkpoints", filename="step{step:06d}",
+                                            auto_insert_metric_name=False, every_n_train_steps=args.checkpoint_every,
+                                            save_top_k=-1)]
+    if args.ledger:
+        from lightning_emig.training.ledger import DataLedger
+
+        callbacks.append(DataLedger(args.out))
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # processes per node, as torchrun started them
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=args.max_steps,
+                         default_root_dir=args.out, callbacks=callbacks, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    module = GPTModule(config, max_steps=args.max_steps, seed=args.seed)
+    dataset = CountingSequences(args.samples, config.seq_len, config.vocab_size)
+    trainer.fit(module, DataLoader(dataset, batch_size=args.micro_batch_size, shuffle=True))
+    if trainer.is_global_zero:
+        summary = {"step_losses": {str(k): v for k, v in sorted(module.step_losses.items())},
+                   "tokens_seen": int(module.model.tokens_seen), "pid": os.getpid(),
+                   "events": [e.as_dict() for e in strategy.events], "layout": strategy.layout.as_dict()}
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

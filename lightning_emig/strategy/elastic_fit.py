@@ -1,0 +1,199 @@
+"""One ``Trainer.fit`` call for the whole elastic job: the strategy's launcher runs it as a sequence of fits.
+
+Lightning hands every ``trainer.fit`` to ``strategy.launcher.launch(trainer._fit_impl, ...)`` when the strategy has
+a launcher. Under ``lightning-emig-run`` :class:`ElasticFitLauncher` is that launcher: it runs the fit, and when the
+fit stopped for a membership change it carries the live state into the next generation and runs the fit again in
+the same process, with the same Trainer, module, callbacks, loggers and DataLoader. The user's ``trainer.fit(...)``
+returns only when training is done. Each pass of the loop is one of:
+
+* **handoff** (a node joined; a node left with notice): the fit stopped at an optimizer-step boundary with
+  ``strategy.pending_handoff`` set; this process switches to the new generation's process group, drops the model
+  (its ``configure_model`` rebuilds it for the new world) and fits again with ``ckpt_path="live"``;
+* **failure** (a peer died): the fit raised a collective error; the survivors agree on the dead, rebuild lost
+  shards from replicas (then fit again with ``"live"``) or roll back to the newest complete checkpoint;
+* **below MIN**: after either, fewer nodes than ``--nnodes`` MIN are left: the survivors wait, with their state,
+  for a generation that brings enough nodes;
+* **leave**: this process's node was preempted and its state has been handed over: the process leaves the job by
+  raising ``SystemExit(0)`` out of ``fit`` (nothing after ``fit`` in the user's script runs in a process that is no
+  longer part of the job; its agent leaves the rendezvous without closing it).
+
+A worker started into a live generation (a joiner) runs its first fit with ``ckpt_path="live"`` whatever the
+script passed. Outside ``lightning-emig-run`` the strategy has no launcher and ``fit`` is Lightning's own.
+
+Private Lightning 2.6 names used here, and only here (pinned by ``tests/test_elastic_fit.py``): ``Trainer._fit_impl``
+(to tell ``fit`` from ``validate``/``test``/``predict``, which run once) and its ``ckpt_path`` parameter; and, when a
+fit fails because a peer died, ``lightning.pytorch.trainer.call._interrupt`` and ``Trainer._teardown``, exactly what
+Lightning's own handler calls before the survivors recover in the same Trainer.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from typing_extensions import override
+
+from lightning_emig.launcher.generation import ENV_NODE_ID, control_client_from_env, read_generation
+from lightning_emig.membership.below_min import wait_for_enough_nodes
+from lightning_emig.membership.failure import Rollback, is_peer_failure, recover_from_failure
+from lightning_emig.membership.group import apply_generation_env, form_generation_group, joining_live
+from lightning_emig.membership.handoff import LIVE_CHECKPOINT, LiveHandoff
+from lightning_emig.training.resume import newest_checkpoint
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from datetime import timedelta
+    from pathlib import Path
+
+    import lightning.pytorch as pl
+
+    from lightning_emig.strategy.elastic import ElasticMigrationStrategy
+
+log = logging.getLogger(__name__)
+
+
+def is_fit(function: Callable[..., Any]) -> bool:
+    """Is ``function`` the Trainer's fit implementation (the one entry point that follows membership changes)?"""
+    import lightning.pytorch as pl
+
+    return getattr(function, "__func__", None) is pl.Trainer._fit_impl  # noqa: SLF001 - pinned by a test
+
+
+class ElasticFitLauncher(_Launcher):
+    """Runs ``Trainer.fit`` once per generation until training is done (see the module docstring)."""
+
+    def __init__(self, strategy: ElasticMigrationStrategy) -> None:
+        self._strategy = strategy
+
+    @property
+    @override
+    def is_interactive_compatible(self) -> bool:
+        return True  # it starts no processes: torchrun's agent did
+
+    @override
+    def kill(self, signum: Any) -> None:
+        """Nothing to kill: the agent owns the worker processes."""
+
+    @override
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any
+               ) -> Any:
+        if trainer is None or not is_fit(function):
+            return function(*args, **kwargs)
+        call = inspect.signature(function).bind(*args, **kwargs)
+        if joining_live():
+            call.arguments["ckpt_path"] = LIVE_CHECKPOINT
+        while True:
+            next_checkpoint = self._fit_once(function, call, trainer)
+            if next_checkpoint is None:
+                return None
+            call.arguments["ckpt_path"] = next_checkpoint
+            _prepare_trainer_for_next_fit(trainer)
+
+    def _fit_once(self, function: Callable[..., Any], call: inspect.BoundArguments, trainer: pl.Trainer) -> str | None:
+        """Run one fit; returns the checkpoint the next one starts from (``"live"`` or a path), or None when done."""
+        strategy = self._strategy
+        try:
+            function(*call.args, **call.kwargs)
+        except Exception as exc:
+            # A process that failed before it had a layout (a joiner forming its first group) holds no state: it
+            # exits, and its agent treats the node as failed.
+            if not (is_peer_failure(exc) and strategy.has_layout):
+                raise
+            _end_interrupted_fit(trainer, exc)
+            return self._recover(trainer, exc)
+        # A join at max_steps: that fit ran no step, its event is still due.
+        strategy.finish_join_event(trainer)
+        handoff = strategy.pending_handoff
+        if handoff is None:
+            return None
+        if handoff.leaving:
+            dist.destroy_process_group()
+            strategy.left_job = True
+            log.warning("this process's node was preempted and its state handed over: leaving the job (exit 0)")
+            raise SystemExit(0)
+        handoff.lap("teardown")
+        switch_to_generation(handoff.generation, timeout=strategy.timeout)
+        handoff.lap("group")
+        drop_model(trainer.lightning_module)
+        return self._continue_live(trainer, handoff)
+
+    def _recover(self, trainer: pl.Trainer, failure: BaseException) -> str | None:
+        """The survivors' side of an abrupt failure: a live handoff into their generation, or a rollback."""
+        strategy = self._strategy
+        drop_model(trainer.lightning_module)  # its FSDP state references the broken groups; the state is stashed
+        outcome = recover_from_failure(strategy, failure, os.environ[ENV_NODE_ID], int(os.environ["LOCAL_RANK"]))
+        if isinstance(outcome, Rollback):
+            outcome.checkpoint = _agree_on_newest_checkpoint(strategy.checkpoint_dir(trainer))
+            strategy.prepare_next_fit(rollback=outcome)
+            return outcome.checkpoint
+        return self._continue_live(trainer, outcome)
+
+    def _continue_live(self, trainer: pl.Trainer, handoff: LiveHandoff) -> str:
+        """Below MIN, wait for joiners with the state in memory; then the next fit takes the handoff live."""
+        strategy = self._strategy
+        waiting_since = time.perf_counter()
+        newer = wait_for_enough_nodes(handoff.generation, strategy.failure_settings.below_min_timeout_s)
+        if newer is not None:  # fewer nodes than MIN were left: join the generation that brought more
+            if handoff.prior is not None:  # the change that left too few nodes is an event of its own
+                strategy.record_prior_event(trainer, handoff, time.perf_counter() - waiting_since)
+            handoff.generation = newer
+            switch_to_generation(newer, timeout=strategy.timeout)
+            handoff.phase_started = time.perf_counter()
+        strategy.prepare_next_fit(handoff=handoff)
+        return LIVE_CHECKPOINT
+
+
+def _end_interrupted_fit(trainer: pl.Trainer, exc: BaseException) -> None:
+    """What Lightning does when a fit raises (``_call_and_handle_interrupt``), before the survivors recover: status
+    INTERRUPTED, ``on_exception`` hooks, the Trainer's teardown (which releases the strategy's resources in the
+    broken world, e.g. the background checkpoint group)."""
+    from lightning.pytorch.trainer.call import _interrupt
+
+    _interrupt(trainer, exc)
+    trainer._teardown()  # noqa: SLF001 - pinned by a test, as Lightning's own handler calls it
+    trainer.state.stage = None
+
+
+def _prepare_trainer_for_next_fit(trainer: pl.Trainer) -> None:
+    """What ``Trainer.fit`` sets before it calls the launcher, again for the next fit of the same call."""
+    trainer.state.fn = TrainerFn.FITTING
+    trainer.state.status = TrainerStatus.RUNNING
+    trainer.training = True
+    trainer.should_stop = False
+
+
+def _agree_on_newest_checkpoint(checkpoint_dir: Path | None) -> str | None:
+    """Rank 0 picks the newest complete checkpoint and tells the others (a background save might complete while
+    the ranks look, so one rank decides)."""
+    box: list[Any] = [None]
+    if dist.get_rank() == 0 and checkpoint_dir is not None:
+        found = newest_checkpoint(checkpoint_dir)
+        box[0] = str(found.path) if found is not None else None
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def switch_to_generation(generation: int, *, timeout: timedelta) -> None:
+    """Leave the current process group and form ``generation``'s, same backend (this process keeps running)."""
+    info = read_generation(control_client_from_env(), generation)
+    rank = apply_generation_env(info, os.environ[ENV_NODE_ID], int(os.environ["LOCAL_RANK"]))
+    backend = dist.get_backend() if dist.is_initialized() else "gloo"
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    form_generation_group(info, rank, backend, timeout)
+
+
+def drop_model(module: Any) -> None:
+    """Set every direct child of ``module`` to None: the next ``configure_model`` builds it for the new world (the
+    live state is held by the handoff), and nothing keeps the old world's process groups alive."""
+    import gc
+
+    for name, _ in list(module.named_children()):
+        setattr(module, name, None)
+    gc.collect()
