@@ -498,6 +498,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
 
     def _load_live(self) -> dict[str, Any]:
         from lightning_emig.membership.handoff import join_live
+        from lightning_emig.strategy.elastic_fit import treat_step_as_saved
 
         if not self.live_join:
             raise RuntimeError(
@@ -515,6 +516,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             self.migrating = False
         self._join = (result, time.perf_counter())
         self.live_resume_step = result.step
+        treat_step_as_saved(module.trainer, result.step)
         os.environ.pop("LIGHTNING_EMIG_JOIN_LIVE", None)  # joined: from now on this process holds state
         self._stash_after_join(module, metadata, result.last_step_wall)
         if self.global_rank == 0:

@@ -23,7 +23,8 @@ script passed. Outside ``lightning-emig-run`` the strategy has no launcher and `
 Private Lightning 2.6 names used here, and only here (pinned by ``tests/test_elastic_fit.py``): ``Trainer._fit_impl``
 (to tell ``fit`` from ``validate``/``test``/``predict``, which run once) and its ``ckpt_path`` parameter; and, when a
 fit fails because a peer died, ``lightning.pytorch.trainer.call._interrupt`` and ``Trainer._teardown``, exactly what
-Lightning's own handler calls before the survivors recover in the same Trainer.
+Lightning's own handler calls before the survivors recover in the same Trainer; ``ModelCheckpoint._last_global_step_saved``
+(every rank skips the step a live fit resumed at).
 """
 
 from __future__ import annotations
@@ -158,6 +159,18 @@ def _end_interrupted_fit(trainer: pl.Trainer, exc: BaseException) -> None:
     _interrupt(trainer, exc)
     trainer._teardown()  # noqa: SLF001 - pinned by a test, as Lightning's own handler calls it
     trainer.state.stage = None
+
+
+def treat_step_as_saved(trainer: pl.Trainer, step: int) -> None:
+    """Every rank's ``ModelCheckpoint`` skips ``step``: a live fit resumes "at the end of" that step, and a callback
+    that has not saved it (a joiner's is new, a survivor's skipped it during the handoff) would save it again before
+    the first new step — on some ranks only, and a save is collective. The live state was never written; the next
+    periodic checkpoint comes at its usual step."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            callback._last_global_step_saved = step  # noqa: SLF001 - pinned by a test
 
 
 def _prepare_trainer_for_next_fit(trainer: pl.Trainer) -> None:

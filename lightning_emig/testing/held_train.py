@@ -14,6 +14,13 @@ race of two membership events in end-to-end tests, so a test hits it on any mach
   without it a slow joiner may miss a short run). Only for worlds of one process: the others would wait inside a
   collective meanwhile.
 
+* ``LIGHTNING_EMIG_TEST_HOLD_AT_STEPS=20,60`` with ``LIGHTNING_EMIG_TEST_HOLD_DIR=D``: global rank 0 stops at each of
+  these optimizer steps (at the step boundary, before the membership check) and logs ``test hold: step N``, until
+  the test creates ``D/release-N``: the test acts (starts a node, sends a notice, kills a worker) while training is
+  known to be at that step, on any machine.
+* ``LIGHTNING_EMIG_TEST_RUN_MODULE=M``: run module ``M`` (e.g. ``lightning_emig.examples.gpt``) instead of
+  ``lightning_emig.train``, with the same holds.
+
 Each hold gives up after :data:`HOLD_TIMEOUT_S` (the exit hold after 60 s: within a test's grace period) and logs
 when it starts and ends. Without the variables this is ``lightning_emig.train`` unchanged.
 """
@@ -115,6 +122,35 @@ def hold_steps_for_joiners(timeout_s: float = HOLD_TIMEOUT_S) -> None:
     RendezvousCallback._newest_ready = held_newest_ready  # type: ignore[method-assign]  # noqa: SLF001
 
 
+ENV_HOLD_AT_STEPS = "LIGHTNING_EMIG_TEST_HOLD_AT_STEPS"
+ENV_HOLD_DIR = "LIGHTNING_EMIG_TEST_HOLD_DIR"
+ENV_RUN_MODULE = "LIGHTNING_EMIG_TEST_RUN_MODULE"
+
+
+def hold_at_steps(steps: set[int], release_dir: str, timeout_s: float = HOLD_TIMEOUT_S) -> None:
+    """Rank 0 waits at each of ``steps`` until ``release_dir/release-<step>`` exists (see the module docstring)."""
+    from pathlib import Path
+
+    from lightning_emig.membership.callback import RendezvousCallback
+    from lightning_emig.strategy.boundary import _at_step_boundary
+
+    on_batch_end = RendezvousCallback.on_train_batch_end
+
+    def held_on_batch_end(self: Any, trainer: Any, *args: Any, **kwargs: Any) -> None:
+        step = trainer.global_step
+        if trainer.global_rank == 0 and step in steps and _at_step_boundary(trainer):
+            steps.discard(step)
+            release = Path(release_dir) / f"release-{step}"
+            log.warning("test hold: step %d waits for %s", step, release)
+            deadline = time.monotonic() + timeout_s
+            while not release.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            log.warning("test hold: step %d released", step)
+        on_batch_end(self, trainer, *args, **kwargs)
+
+    RendezvousCallback.on_train_batch_end = held_on_batch_end  # type: ignore[method-assign]
+
+
 def main() -> None:
     import runpy
 
@@ -126,8 +162,11 @@ def main() -> None:
     hold_exit = os.environ.get(ENV_HOLD_LEAVING_EXIT) == "1"
     if hold_exit:
         record_drained_generation()
+    steps = os.environ.get(ENV_HOLD_AT_STEPS)
+    if steps:
+        hold_at_steps({int(s) for s in steps.split(",")}, os.environ[ENV_HOLD_DIR])
     # As ``python -m lightning_emig.train``: Hydra finds ``conf/`` relative to the file of a ``__main__`` module.
-    runpy.run_module("lightning_emig.train", run_name="__main__", alter_sys=True)
+    runpy.run_module(os.environ.get(ENV_RUN_MODULE, "lightning_emig.train"), run_name="__main__", alter_sys=True)
     if hold_exit:
         hold_exit_if_left()
 

@@ -1,0 +1,60 @@
+"""Pins of the private Lightning 2.6 names :mod:`lightning_emig.strategy.elastic_fit` relies on, and the strategy's
+wiring of its launcher: these fail when an upgrade of Lightning moves them, before an elastic run would."""
+
+from __future__ import annotations
+
+import inspect
+
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_emig.launcher.generation import ENV_CONTROL_STORE, ENV_NODE_ID
+from lightning_emig.strategy import ElasticMigrationStrategy
+from lightning_emig.strategy.elastic_fit import ElasticFitLauncher, is_fit, treat_step_as_saved
+
+
+def test_fit_is_told_from_the_other_entry_points() -> None:
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    assert is_fit(trainer._fit_impl)
+    assert not is_fit(trainer._validate_impl) and not is_fit(trainer._test_impl) and not is_fit(print)
+    assert "ckpt_path" in inspect.signature(trainer._fit_impl).parameters
+
+
+def test_lightnings_interrupt_handling_is_where_the_launcher_calls_it() -> None:
+    from lightning.pytorch.trainer.call import _interrupt
+
+    assert callable(_interrupt) and callable(pl.Trainer._teardown)
+    assert list(inspect.signature(_interrupt).parameters) == ["trainer", "exception"]
+
+
+def test_every_checkpoint_callback_skips_the_step_a_live_fit_resumed_at() -> None:
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    callback = ModelCheckpoint(every_n_train_steps=10)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, callbacks=[callback])
+    trainer.state.fn = TrainerFn.FITTING
+    trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total.completed = 20
+    assert trainer.global_step == 20
+    assert not callback._should_skip_saving_checkpoint(trainer)
+    treat_step_as_saved(trainer, 20)
+    assert callback._should_skip_saving_checkpoint(trainer)
+
+
+@pytest.mark.parametrize("under_launcher", [True, False])
+def test_the_strategy_brings_its_launcher_only_under_lightning_emig_run(
+    monkeypatch: pytest.MonkeyPatch, under_launcher: bool
+) -> None:
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "pin")
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                       "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    if under_launcher:
+        monkeypatch.setenv(ENV_NODE_ID, "127.0.0.1_1")
+        monkeypatch.setenv(ENV_CONTROL_STORE, "127.0.0.1:1")
+    else:
+        monkeypatch.delenv(ENV_NODE_ID, raising=False)
+        monkeypatch.delenv(ENV_CONTROL_STORE, raising=False)
+    strategy = ElasticMigrationStrategy(global_batch_size=4, micro_batch_size=2)
+    pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_progress_bar=False)
+    assert isinstance(strategy.launcher, ElasticFitLauncher) == under_launcher

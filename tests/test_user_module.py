@@ -1,0 +1,148 @@
+"""A user's LightningModule and plain ``DataLoader`` (the GPT example's) under live layout changes, in-process.
+
+* the plain ``DataLoader`` (shuffled, Lightning's ``DistributedSampler`` injected) is read through the global-offset
+  sampler: across a change from ``dp_shard=2`` to ``tp=2`` (data-parallel degree 2 -> 1) every step trains on the same
+  samples as the uninterrupted run, and the loss follows it;
+* the module keeps its config under the ordinary name ``model_config`` (no ``n_heads`` there): nothing guesses it;
+* persistent buffers move bit for bit: the example's unsharded ``tokens_seen`` and a buffer sharded over the data-
+  parallel axis (``Shard(0)`` DTensor) whose every element is distinct;
+* what cannot be adopted (an ``IterableDataset``, a custom sampler, a batch size that is not the micro batch) is
+  refused with a message that says what to use.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset, Sampler
+
+from lightning_emig import HybridLayout
+from lightning_emig.data.adopt import DataLoaderNotElasticError, adopt_dataloader
+from lightning_emig.examples.gpt import CountingSequences, GPTConfig, GPTModule
+from lightning_emig.strategy import ElasticMigrationStrategy
+from lightning_emig.strategy.schedule import LayoutSchedule
+from lightning_emig.testing.distributed import run_distributed
+from lightning_emig.testing.runs import quiet_lightning
+from lightning_emig.training.ledger import DataLedger
+
+STEPS = 8
+CHANGE_AT = 4
+BUFFER = 8
+
+
+class ShardedBufferModule(GPTModule):
+    """The example's module plus a persistent buffer sharded over the data-parallel axis (plain when dp is 1)."""
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        super().configure_model()
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        strategy: Any = self.trainer.strategy
+        full = torch.arange(BUFFER, dtype=torch.float32)  # distinct elements: a misplaced piece shows
+        value = distribute_tensor(full, strategy.layout_mesh["dp_shard"], [Shard(0)]) if strategy.layout.dp_shard > 1 \
+            else full
+        self.model.register_buffer("sharded_stat", value)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        super().on_before_optimizer_step(optimizer)
+        self.model.sharded_stat.add_(1.0)
+
+
+def _fit(rank: int, world: int, root: str, change: bool) -> dict[str, Any]:
+    quiet_lightning()
+    config = GPTConfig()
+    run_dir = Path(root)
+    callbacks: list[Any] = [DataLedger(run_dir)]
+    if change:
+        callbacks.append(LayoutSchedule([(CHANGE_AT, HybridLayout(dp_shard=1, tp=2))]))
+    strategy = ElasticMigrationStrategy(layout=HybridLayout(dp_shard=2), global_batch_size=8, micro_batch_size=2,
+                                        timeout=timedelta(seconds=60))
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, callbacks=callbacks,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=root)
+    module = ShardedBufferModule(config, max_steps=STEPS)
+    pl.seed_everything(0)
+    trainer.fit(module, DataLoader(CountingSequences(256, config.seq_len, config.vocab_size), batch_size=2,
+                                   shuffle=True))
+    stat = module.model.sharded_stat
+    full = stat.full_tensor() if hasattr(stat, "full_tensor") else stat
+    return {"losses": [module.step_losses[s] for s in range(STEPS)], "tokens_seen": int(module.model.tokens_seen),
+            "sharded_stat": full.tolist(), "events": [e.as_dict() for e in strategy.events]}
+
+
+def _samples_per_step(run_dir: Path) -> dict[int, list[int]]:
+    from lightning_emig.testing.ledger import read_ledger
+
+    steps: dict[int, list[int]] = {}
+    for record in read_ledger(run_dir):
+        steps.setdefault(record["step"], []).extend(record["sample_ids"])
+    return {step: sorted(ids) for step, ids in steps.items()}
+
+
+@pytest.mark.multiprocess
+def test_a_plain_dataloader_and_persistent_buffers_survive_a_layout_change(tmp_path: Path) -> None:
+    reference = run_distributed(_fit, 2, str(tmp_path / "ref"), False, timeout_s=300)[0]
+    live = run_distributed(_fit, 2, str(tmp_path / "live"), True, timeout_s=300)[0]
+    assert [(e["kind"], e["step"], e["new_layout"]["tp"]) for e in live["events"]] == [("reconfigure", CHANGE_AT, 2)]
+    samples, expected = _samples_per_step(tmp_path / "live"), _samples_per_step(tmp_path / "ref")
+    assert sorted(samples) == list(range(STEPS)) and samples == expected, "the data order changed with the layout"
+    assert all(len(ids) == 8 == len(set(ids)) for ids in samples.values())
+    gaps = [abs(a - b) / abs(b) for a, b in zip(live["losses"], reference["losses"], strict=True)]
+    assert max(gaps) < 1e-4, f"loss deviates by {max(gaps):.2e} from the uninterrupted run"
+    assert live["tokens_seen"] == reference["tokens_seen"] == STEPS * 8 * GPTConfig().seq_len
+    assert live["sharded_stat"] == [float(i + STEPS) for i in range(BUFFER)], "the sharded buffer was not moved"
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):  # noqa: ANN204 - a test stub
+        yield from range(10)
+
+
+class _EveryOther(Sampler[int]):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):  # noqa: ANN204 - a test stub
+        return iter(range(0, self.n, 2))
+
+    def __len__(self) -> int:
+        return self.n // 2
+
+
+DATASET = CountingSequences(64, 8, 16)
+
+
+@pytest.mark.parametrize(
+    ("loader", "message"),
+    [
+        (DataLoader(_Stream(), batch_size=2), "IterableDataset .* cannot be re-positioned"),
+        (DataLoader(DATASET, batch_size=2, sampler=_EveryOther(64)), "custom sampler \\(_EveryOther\\)"),
+        (DataLoader(DATASET, batch_size=4), "batch_size=4 but the strategy's micro_batch_size is 2"),
+    ],
+    ids=["iterable", "custom_sampler", "batch_size"],
+)
+def test_a_dataloader_that_cannot_follow_a_change_is_refused(loader: DataLoader, message: str) -> None:
+    with pytest.raises(DataLoaderNotElasticError, match=message) as error:
+        adopt_dataloader(loader, global_batch_size=8, micro_batch_size=2, seed=0)
+    assert "DataLoader(dataset, batch_size=micro_batch_size" in str(error.value) or "batch_size" in message
+
+
+@pytest.mark.parametrize(("shuffle", "permuted"), [(False, False), (True, True)])
+def test_an_adopted_dataloader_keeps_its_dataset_collation_and_shuffle(shuffle: bool, permuted: bool) -> None:
+    loader = adopt_dataloader(DataLoader(DATASET, batch_size=2, shuffle=shuffle), global_batch_size=8,
+                              micro_batch_size=2, seed=0)
+    loader.stream.set_topology(dp_degree=2, dp_rank=1)
+    inputs, targets = next(iter(loader))  # the user's collation: a (inputs, targets) pair, batch of 2
+    assert inputs.shape == targets.shape == (2, 8)
+    produced = loader.stream.take_produced()
+    assert produced is not None and produced.micro_step == 0
+    ids = list(produced.sample_ids)
+    assert (ids != [4, 5]) == permuted  # rank 1 of 2 reads the second half of the first global batch
+    assert torch.equal(inputs, torch.stack([DATASET[i][0] for i in ids]))

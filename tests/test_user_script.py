@@ -1,0 +1,195 @@
+"""A user's own script — ``lightning_emig.examples.gpt``: its own GPT, its own TP plan, a plain ``DataLoader``, one
+``trainer.fit`` — through every membership event under ``lightning-emig-run``, with no project loop around ``fit``.
+
+Each run is compared with the same script run uninterrupted in one process: every step's loss within a relative
+1e-4 (changed reduction order only), every sample of every step's global batch trained exactly once (apart from
+declared rollbacks), the persistent ``tokens_seen`` buffer equal to what the steps added, and node A's worker the
+same process throughout. Test holds stop rank 0 at given steps until the test has acted, so each event lands where
+the test says on any machine:
+
+* **join, then preemption with notice**: A trains alone; at step 20 B starts and joins (1 -> 2, dp_shard 2); at
+  step 60 B's agent gets SIGTERM and B hands its state over (2 -> 1);
+* **worker SIGKILL with replicas** (``dp_replicate=2``): at step 25 B's worker is killed; A rebuilds from its own
+  replica (no step lost); B's agent starts a fresh worker, which joins live (1 -> 2) at step 60;
+* **node SIGKILL without replicas** (``dp_shard=2``): at step 25 node B (agent and worker) is killed; A rolls back
+  to the step-20 checkpoint and trains to the end alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from lightning_emig.examples.gpt import CountingSequences, GPTConfig
+from lightning_emig.testing.commands import (
+    descendants,
+    is_alive,
+    kill_tree,
+    python_module_command,
+    run_command,
+)
+from lightning_emig.testing.distributed import free_port
+from lightning_emig.testing.nodes import (
+    REPO,
+    assert_agents_succeed,
+    start_node,
+    stop_agents,
+    wait_for,
+    wait_for_exit,
+)
+from lightning_emig.testing.nodes import log_tail as _log
+from lightning_emig.training.events import read_events
+from lightning_emig.training.resume import is_complete
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+
+EXAMPLE = "lightning_emig.examples.gpt"
+MAX_STEPS = 100
+GLOBAL_BATCH = 8
+ARGS = ["--max-steps", str(MAX_STEPS), "--global-batch-size", str(GLOBAL_BATCH), "--micro-batch-size", "2",
+        "--checkpoint-every", "10", "--heartbeat-timeout", "3", "--samples", "512"]
+REL_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, float]:
+    """The same script, uninterrupted, in one process (no launcher)."""
+    out = tmp_path_factory.mktemp("reference")
+    result = run_command(python_module_command(EXAMPLE, *ARGS, "--out", str(out)), timeout_s=180, cwd=REPO,
+                         env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-4000:]
+    return json.loads((out / "summary.json").read_text())["step_losses"]
+
+
+def _start(tmp_path: Path, name: str, addr: str, port: int, *, layout: list[str], hosts_store: bool,
+           max_restarts: int = 0, hold_steps: str = "") -> subprocess.Popen:
+    env = {"LIGHTNING_EMIG_TEST_RUN_MODULE": EXAMPLE, "LIGHTNING_EMIG_TEST_HOLD_DIR": str(tmp_path),
+           "LIGHTNING_EMIG_TEST_HOLD_STEPS_FOR_JOINERS": "1", "LIGHTNING_EMIG_TEST_HOLD_AT_STEPS": hold_steps}
+    return start_node(tmp_path, name, local_addr=addr, port=port, run_dir=tmp_path / "run", rdzv_id="user-script",
+                      rdzv_conf=f"is_host={str(hosts_store).lower()}", train_args=[*ARGS, "--ledger", *layout],
+                      nnodes="1:2", env=env, max_restarts=max_restarts, module="lightning_emig.testing.held_train",
+                      run_dir_args=["--out", str(tmp_path / "run")])
+
+
+def _held_at(tmp_path: Path, step: int, agents: dict[str, subprocess.Popen]) -> None:
+    wait_for(lambda: f"test hold: step {step} waits" in (tmp_path / "a.log").read_text()
+             or any(p.poll() is not None for p in agents.values()),
+             180, f"A never reached step {step}:\n{_log(tmp_path, 'a')}")
+    assert all(p.poll() is None for p in agents.values()), _log(tmp_path, "a") + _log(tmp_path, "b")
+
+
+def _release(tmp_path: Path, step: int) -> None:
+    (tmp_path / f"release-{step}").touch()
+
+
+def _check_run(tmp_path: Path, reference: dict[str, float], a_workers: list[int]) -> dict:
+    """The invariants every run of the script must hold; returns the summary and the ledger report."""
+    from lightning_emig.data.sampler import GlobalOffsetSampler
+    from lightning_emig.testing.ledger import check_ledger
+
+    run_dir = tmp_path / "run"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["pid"] in a_workers, "node A's worker was restarted: fit did not carry the change"
+    losses = summary["step_losses"]
+    assert sorted(int(k) for k in losses) == list(range(MAX_STEPS))
+    worst = max(abs(losses[k] - reference[k]) / abs(reference[k]) for k in reference)
+    assert worst < REL_TOL, f"loss curve departs from the uninterrupted run by {worst:.2e} (relative)"
+    config = GPTConfig()
+    assert summary["tokens_seen"] == MAX_STEPS * GLOBAL_BATCH * config.seq_len, "the persistent buffer was lost"
+    dataset = CountingSequences(512, config.seq_len, config.vocab_size)
+    ledger = check_ledger(run_dir, sampler=GlobalOffsetSampler(len(dataset), GLOBAL_BATCH, seed=0),
+                          max_steps=MAX_STEPS)
+    ledger.assert_exactly_once()
+    return {"summary": summary, "ledger": ledger, "worst": worst, "events": read_events(run_dir)}
+
+
+def _print_events(events: list[dict]) -> None:
+    for e in events:
+        print(f"\n{e['kind']} at step {e['step']}: world {e['old_world']} -> {e['new_world']}, downtime "
+              f"{e.get('downtime_seconds', 0):.2f}s, {e['bytes_moved'] / 1e6:.2f} MB moved, "
+              f"{e.get('steps_rolled_back', 0)} step(s) rolled back")
+
+
+@pytest.mark.timeout(420)
+def test_the_script_survives_a_join_and_a_preemption_in_one_fit_call(tmp_path: Path, reference: dict) -> None:
+    port = free_port()
+    agents: dict[str, subprocess.Popen] = {}
+    try:
+        agents["a"] = _start(tmp_path, "a", "127.0.0.2", port, layout=[], hosts_store=True, hold_steps="20,60")
+        _held_at(tmp_path, 20, agents)
+        agents["b"] = _start(tmp_path, "b", "127.0.0.3", port, layout=[], hosts_store=False)
+        wait_for(lambda: "world 2 on 2 node(s)" in _log(tmp_path, "a", 100000), 120, "B's round was not published")
+        _release(tmp_path, 20)  # A waits for B's worker to be ready, then both go into the new generation
+        _held_at(tmp_path, 60, agents)
+        a_workers = [p for p in descendants(agents["a"].pid) if is_alive(p)]
+        b_workers = [p for p in descendants(agents["b"].pid) if is_alive(p)]
+        os.kill(agents["b"].pid, signal.SIGTERM)  # the notice
+        wait_for(lambda: "preemption notice" in _log(tmp_path, "b", 100000) or agents["b"].poll() is not None, 60,
+                 f"B's agent did not announce its departure:\n{_log(tmp_path, 'b')}")
+        _release(tmp_path, 60)
+        assert_agents_succeed(tmp_path, agents, 200)
+        assert not any(is_alive(p) for p in b_workers), "B's worker outlived its agent"
+    finally:
+        stop_agents(agents)
+    checked = _check_run(tmp_path, reference, a_workers)
+    kinds = [(e["kind"], e["old_world"], e["new_world"]) for e in checked["events"]]
+    assert kinds == [("join", 1, 2), ("preempt", 2, 1)], checked["events"]
+    assert checked["ledger"].rolled_back_steps == [], checked["ledger"].describe()
+    assert set(checked["ledger"].dp_degrees.values()) == {1, 2}
+    _print_events(checked["events"])
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("kill", ["worker_with_replicas", "node_without_replicas"])
+def test_the_script_survives_a_killed_peer(tmp_path: Path, reference: dict, kill: str) -> None:
+    layout = ["--dp-replicate", "2"] if kill == "worker_with_replicas" else []
+    port = free_port()
+    agents: dict[str, subprocess.Popen] = {}
+    try:
+        agents["a"] = _start(tmp_path, "a", "127.0.0.2", port, layout=layout, hosts_store=True, max_restarts=1,
+                             hold_steps="5,25,60")
+        agents["b"] = _start(tmp_path, "b", "127.0.0.3", port, layout=layout, hosts_store=False, max_restarts=1)
+        _held_at(tmp_path, 5, agents)
+        wait_for(lambda: "world 2 on 2 node(s)" in _log(tmp_path, "a", 100000), 120, "no world of two")
+        _release(tmp_path, 5)
+        _held_at(tmp_path, 25, agents)
+        step20 = tmp_path / "run" / "checkpoints" / "step000020.ckpt"
+        wait_for(lambda: is_complete(step20), 60, "the step-20 checkpoint was never completed")
+        a_workers = [p for p in descendants(agents["a"].pid) if is_alive(p)]
+        b_workers = [p for p in descendants(agents["b"].pid) if is_alive(p)]
+        if kill == "worker_with_replicas":
+            for pid in b_workers:
+                os.kill(pid, signal.SIGKILL)
+        else:
+            kill_tree(agents["b"].pid)
+        _release(tmp_path, 25)
+        if kill == "worker_with_replicas":  # B's agent starts a fresh worker, which joins at step 60
+            _held_at(tmp_path, 60, agents)
+            wait_for(lambda: _log(tmp_path, "b", 100000).split("rejoining with fresh workers")[-1].count(
+                "workers started") > 0, 120, f"B's agent started no fresh worker:\n{_log(tmp_path, 'b')}")
+        _release(tmp_path, 60)
+        expected = {"a": 0, "b": 0 if kill == "worker_with_replicas" else -signal.SIGKILL}
+        for name, code in wait_for_exit(tmp_path, agents, 200).items():
+            assert code == expected[name], f"agent {name} exited {code}:\n{_log(tmp_path, name)}"
+        assert not any(is_alive(p) for p in b_workers), "B's old worker outlived the failure"
+    finally:
+        stop_agents(agents)
+    checked = _check_run(tmp_path, reference, a_workers)
+    events = [e for e in checked["events"] if e["kind"] != "join" or e["step"] > 5]  # the world may form by a join
+    kinds = [(e["kind"], e["old_world"], e["new_world"]) for e in events]
+    failure = events[0]
+    if kill == "worker_with_replicas":
+        assert kinds == [("failure", 2, 1), ("join", 1, 2)], checked["events"]
+        assert failure["steps_rolled_back"] == 0 and failure["step"] == 25
+        assert set(checked["ledger"].rolled_back_steps) <= {25}, checked["ledger"].describe()
+    else:
+        assert kinds == [("failure", 2, 1)], checked["events"]
+        assert failure["step"] == 20 and failure["steps_rolled_back"] == 5, failure
+        assert "ROLLED BACK to step 20" in (tmp_path / "a.log").read_text()
+        assert set(checked["ledger"].rolled_back_steps) <= set(range(20, 26)), checked["ledger"].describe()
+    _print_events(checked["events"])
