@@ -82,18 +82,18 @@ class HybridLayout:
     @property
     def dp(self) -> int:
         """Data-parallel degree (replicas x shards): how many different micro-batches run at once."""
-        self._require_resolved()
+        self.require_resolved()
         return self.dp_replicate * self.dp_shard
 
     @property
     def world_size(self) -> int:
-        self._require_resolved()
+        self.require_resolved()
         return self.pp * self.dp_replicate * self.dp_shard * self.tp
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
         """Sizes of the mesh axes in :data:`MESH_AXIS_ORDER`."""
-        self._require_resolved()
+        self.require_resolved()
         return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
 
     def degree(self, axis: MeshAxis) -> int:
@@ -101,7 +101,7 @@ class HybridLayout:
             return self.dp
         return getattr(self, axis.value)
 
-    def _require_resolved(self) -> None:
+    def require_resolved(self) -> None:
         if not self.is_resolved:
             raise LayoutError(f"{self} still has a -1 degree; call .resolve(world_size) first")
 
@@ -182,12 +182,13 @@ def build_mesh(layout: HybridLayout, device_type: str, ranks: Sequence[int] | No
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    layout._require_resolved()
+    layout.require_resolved()
     names = tuple(axis.value for axis in MESH_AXIS_ORDER)
     if ranks is not None:
         return _build_mesh_over(layout, device_type, [int(r) for r in ranks], names)
     root = init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=names)
-    dp = root[(MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value)]._flatten(MeshAxis.DP.value)
+    # torch 2.13 has no public way to flatten mesh axes (torchtitan uses the same call).
+    dp = root[(MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value)]._flatten(MeshAxis.DP.value)  # noqa: SLF001
     return LayoutMesh(layout=layout, root=root, dp=dp)
 
 

@@ -70,7 +70,7 @@ def _summary(parts: Any, seconds: float, cfg: DictConfig) -> dict[str, Any]:
 
 
 def _agree_seconds(parts: Any) -> list[float]:
-    from lightning_emig.membership import RendezvousCallback
+    from lightning_emig.strategy.rendezvous import RendezvousCallback
 
     for callback in parts.trainer.callbacks:
         if isinstance(callback, RendezvousCallback):

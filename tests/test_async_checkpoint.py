@@ -26,11 +26,11 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lightning_emig.strategy.resume import FoundCheckpoint, is_complete, newest_checkpoint
 from lightning_emig.testing.distributed import run_distributed
 from lightning_emig.testing.runs import fit, quiet_lightning, tiny_config
 from lightning_emig.testing.state import assert_states_equal, full_training_state
 from lightning_emig.training.builders import build_run
-from lightning_emig.training.resume import FoundCheckpoint, is_complete, newest_checkpoint
 
 K = 3
 """The step of the asynchronous checkpoint."""

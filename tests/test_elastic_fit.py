@@ -58,3 +58,17 @@ def test_the_strategy_brings_its_launcher_only_under_lightning_emig_run(
     strategy = ElasticMigrationStrategy(global_batch_size=4, micro_batch_size=2)
     pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_progress_bar=False)
     assert isinstance(strategy.launcher, ElasticFitLauncher) == under_launcher
+
+
+def test_a_change_drops_only_the_children_that_hold_state() -> None:
+    from torch import nn
+
+    from lightning_emig.strategy.reconfigure import check_rebuilt, drop_model
+
+    module = nn.Module()
+    module.model, module.criterion = nn.Linear(2, 2), nn.CrossEntropyLoss()
+    module.register_module("stats", nn.BatchNorm1d(2, affine=False))  # buffers only: state all the same
+    assert drop_model(module) == ["model", "stats"]
+    assert module.model is None and isinstance(module.criterion, nn.CrossEntropyLoss)
+    with pytest.raises(RuntimeError, match=r"left \['model', 'stats'\] as None"):
+        check_rebuilt(module, ["model", "stats"])

@@ -43,12 +43,12 @@ from pathlib import Path
 
 import pytest
 
+from lightning_emig.strategy.events import read_events
 from lightning_emig.testing.commands import descendants, is_alive
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.held_train import ENV_HOLD_LEAVING_EXIT, ENV_HOLD_UNTIL_GENERATION
 from lightning_emig.testing.ledger import check_ledger
 from lightning_emig.testing.nodes import log_tail, start_node, stop_agents, wait_for, worst_loss_gap
-from lightning_emig.training.events import read_events
 from lightning_emig.training.step_times import read_step_times
 
 MAX_STEPS = 250

@@ -36,6 +36,7 @@ from lightning_emig.membership.failure import (
     report_key,
 )
 from lightning_emig.membership.heartbeat import HeartbeatWatch
+from lightning_emig.strategy.events import read_events
 from lightning_emig.testing.commands import descendants, is_alive, kill_tree
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.nodes import (
@@ -47,7 +48,6 @@ from lightning_emig.testing.nodes import (
     worst_loss_gap,
 )
 from lightning_emig.testing.nodes import log_tail as _log
-from lightning_emig.training.events import read_events
 
 MAX_STEPS = 200
 TRAIN = ["data=synthetic", "model=tiny", f"trainer.max_steps={MAX_STEPS}", "trainer.global_batch_size=8",

@@ -26,6 +26,7 @@ import pytest
 from lightning_emig.launcher.generation import GenerationInfo, NodeEntry
 from lightning_emig.layout import HybridLayout
 from lightning_emig.membership import generation_env, layout_for_new_world
+from lightning_emig.strategy.events import read_events
 from lightning_emig.testing.commands import (
     descendants,
     is_alive,
@@ -36,7 +37,6 @@ from lightning_emig.testing.ledger import check_ledger
 from lightning_emig.testing.nodes import assert_agents_succeed, start_node, stop_agents, worst_loss_gap
 from lightning_emig.testing.nodes import log_tail as _log
 from lightning_emig.testing.nodes import wait_for as _wait_for
-from lightning_emig.training.events import read_events
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_STEPS = 300

@@ -21,6 +21,13 @@ from pathlib import Path
 
 import pytest
 
+from lightning_emig.strategy.events import read_events
+from lightning_emig.strategy.resume import (
+    FoundCheckpoint,
+    newest_checkpoint,
+    resolve_checkpoint,
+    restart_reason,
+)
 from lightning_emig.testing.commands import (
     descendants,
     is_alive,
@@ -34,13 +41,6 @@ from lightning_emig.testing.nodes import (
     stop_agents,
     wait_for,
     worst_loss_gap,
-)
-from lightning_emig.training.events import read_events
-from lightning_emig.training.resume import (
-    FoundCheckpoint,
-    newest_checkpoint,
-    resolve_checkpoint,
-    restart_reason,
 )
 
 MAX_STEPS = 120

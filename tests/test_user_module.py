@@ -146,3 +146,15 @@ def test_an_adopted_dataloader_keeps_its_dataset_collation_and_shuffle(shuffle: 
     ids = list(produced.sample_ids)
     assert (ids != [4, 5]) == permuted  # rank 1 of 2 reads the second half of the first global batch
     assert torch.equal(inputs, torch.stack([DATASET[i][0] for i in ids]))
+
+
+def test_the_record_of_produced_micro_batches_never_outgrows_a_step() -> None:
+    loader = adopt_dataloader(DataLoader(DATASET, batch_size=2), global_batch_size=8, micro_batch_size=2, seed=0)
+    stream = loader.stream
+    stream.set_topology(dp_degree=1, dp_rank=0)
+    batches = iter(loader)
+    for _ in range(50):  # nobody takes the records (no ledger): each commit drops the step's
+        for _ in range(4):
+            next(batches)
+        stream.commit_step()
+    assert stream.take_produced() is None

@@ -12,7 +12,9 @@ the test says on any machine:
 * **worker SIGKILL with replicas** (``dp_replicate=2``): at step 25 B's worker is killed; A rebuilds from its own
   replica (no step lost); B's agent starts a fresh worker, which joins live (1 -> 2) at step 60;
 * **node SIGKILL without replicas** (``dp_shard=2``): at step 25 node B (agent and worker) is killed; A rolls back
-  to the step-20 checkpoint and trains to the end alone.
+  to the step-20 checkpoint and trains to the end alone;
+* **node SIGKILL before any checkpoint**: the same at step 8, before the first periodic save: A starts over from
+  step 0 (data, counters and all) inside the same ``fit`` call, and says so.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from pathlib import Path
 import pytest
 
 from lightning_emig.examples.gpt import CountingSequences, GPTConfig
+from lightning_emig.strategy.events import read_events
+from lightning_emig.strategy.resume import is_complete
 from lightning_emig.testing.commands import (
     descendants,
     is_alive,
@@ -43,8 +47,6 @@ from lightning_emig.testing.nodes import (
     wait_for_exit,
 )
 from lightning_emig.testing.nodes import log_tail as _log
-from lightning_emig.training.events import read_events
-from lightning_emig.training.resume import is_complete
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -145,21 +147,23 @@ def test_the_script_survives_a_join_and_a_preemption_in_one_fit_call(tmp_path: P
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("kill", ["worker_with_replicas", "node_without_replicas"])
+@pytest.mark.parametrize("kill", ["worker_with_replicas", "node_without_replicas", "node_before_any_checkpoint"])
 def test_the_script_survives_a_killed_peer(tmp_path: Path, reference: dict, kill: str) -> None:
     layout = ["--dp-replicate", "2"] if kill == "worker_with_replicas" else []
+    kill_at = 8 if kill == "node_before_any_checkpoint" else 25
     port = free_port()
     agents: dict[str, subprocess.Popen] = {}
     try:
         agents["a"] = _start(tmp_path, "a", "127.0.0.2", port, layout=layout, hosts_store=True, max_restarts=1,
-                             hold_steps="5,25,60")
+                             hold_steps=f"5,{kill_at},60")
         agents["b"] = _start(tmp_path, "b", "127.0.0.3", port, layout=layout, hosts_store=False, max_restarts=1)
         _held_at(tmp_path, 5, agents)
         wait_for(lambda: "world 2 on 2 node(s)" in _log(tmp_path, "a", 100000), 120, "no world of two")
         _release(tmp_path, 5)
-        _held_at(tmp_path, 25, agents)
-        step20 = tmp_path / "run" / "checkpoints" / "step000020.ckpt"
-        wait_for(lambda: is_complete(step20), 60, "the step-20 checkpoint was never completed")
+        _held_at(tmp_path, kill_at, agents)
+        if kill_at > 20:
+            step20 = tmp_path / "run" / "checkpoints" / "step000020.ckpt"
+            wait_for(lambda: is_complete(step20), 60, "the step-20 checkpoint was never completed")
         a_workers = [p for p in descendants(agents["a"].pid) if is_alive(p)]
         b_workers = [p for p in descendants(agents["b"].pid) if is_alive(p)]
         if kill == "worker_with_replicas":
@@ -167,7 +171,7 @@ def test_the_script_survives_a_killed_peer(tmp_path: Path, reference: dict, kill
                 os.kill(pid, signal.SIGKILL)
         else:
             kill_tree(agents["b"].pid)
-        _release(tmp_path, 25)
+        _release(tmp_path, kill_at)
         if kill == "worker_with_replicas":  # B's agent starts a fresh worker, which joins at step 60
             _held_at(tmp_path, 60, agents)
             wait_for(lambda: _log(tmp_path, "b", 100000).split("rejoining with fresh workers")[-1].count(
@@ -188,8 +192,9 @@ def test_the_script_survives_a_killed_peer(tmp_path: Path, reference: dict, kill
         assert failure["steps_rolled_back"] == 0 and failure["step"] == 25
         assert set(checked["ledger"].rolled_back_steps) <= {25}, checked["ledger"].describe()
     else:
+        restored = 20 if kill == "node_without_replicas" else 0
         assert kinds == [("failure", 2, 1)], checked["events"]
-        assert failure["step"] == 20 and failure["steps_rolled_back"] == 5, failure
-        assert "ROLLED BACK to step 20" in (tmp_path / "a.log").read_text()
-        assert set(checked["ledger"].rolled_back_steps) <= set(range(20, 26)), checked["ledger"].describe()
+        assert failure["step"] == restored and failure["steps_rolled_back"] == kill_at - restored, failure
+        assert f"ROLLED BACK to step {restored}" in (tmp_path / "a.log").read_text()
+        assert set(checked["ledger"].rolled_back_steps) <= set(range(restored, kill_at + 1)), checked["ledger"].describe()
     _print_events(checked["events"])

@@ -12,8 +12,9 @@ wrong data):
 * a map-style dataset (``__getitem__`` and ``__len__``); an ``IterableDataset`` has no index to re-position;
 * the default batching (``batch_size=micro_batch_size``, no custom ``batch_sampler``);
 * a ``SequentialSampler`` (``shuffle=False``), a ``RandomSampler`` without replacement (``shuffle=True``), or the
-  plain ``DistributedSampler`` Lightning injected for either (its ``shuffle`` and ``seed`` are kept); any other
-  sampler decides the order itself, so it cannot be re-positioned.
+  plain ``DistributedSampler`` Lightning injected for either (its ``shuffle`` is kept); any other sampler decides
+  the order itself, so it cannot be re-positioned. A shuffled order is seeded by the strategy's ``seed``, the same
+  on every rank.
 
 Reading happens in the training process (the position must see every optimizer step's commit): ``num_workers`` is
 not used, with a warning.
@@ -89,7 +90,8 @@ def _order_of(loader: DataLoader, seed: int) -> tuple[bool, int]:
             )
         return True, seed
     if type(sampler) is DistributedSampler:  # Lightning's injection, for a Sequential or Random one
-        return bool(sampler.shuffle), int(sampler.seed)
+        # Its seed may differ per rank (seed_everything() without a seed): the strategy's is the same everywhere.
+        return bool(sampler.shuffle), seed
     raise DataLoaderNotElasticError(
         f"the training DataLoader uses a custom sampler ({type(sampler).__name__}): it decides the order itself and "
         f"cannot be re-positioned when the world or layout changes; {USE_INSTEAD}"

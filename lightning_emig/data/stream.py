@@ -127,7 +127,10 @@ class MicroBatchStream(IterableDataset[MicroBatch]):
                 f" {self.plan.grad_accumulation} micro-batches of that step: commit once per optimizer step,"
                 " after the last accumulation micro-batch, never per micro-batch"
             )
-        return self.sampler.advance(1)
+        offset = self.sampler.advance(1)
+        while self._produced and self._produced[0].step_offset < offset:  # committed: nobody will ask any more
+            self._produced.popleft()
+        return offset
 
     def seek(self, offset: int) -> None:
         """Move the committed offset (e.g. from a restored step counter); older iterators become stale."""

@@ -30,9 +30,9 @@ from lightning_emig.demo.report import (
     write_plot,
 )
 from lightning_emig.demo.scenario import DemoFailed, DemoNodes, DemoSettings, run_scenario
+from lightning_emig.strategy.events import read_events
 from lightning_emig.testing.join_downtime import measure_join
 from lightning_emig.testing.nodes import log_tail
-from lightning_emig.training.events import read_events
 from lightning_emig.training.step_times import read_step_times
 
 

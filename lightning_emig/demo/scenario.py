@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from lightning_emig.demo.report import recovery
+from lightning_emig.strategy.events import read_events
 from lightning_emig.testing.commands import kill_tree
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.join_downtime import last_step
 from lightning_emig.testing.nodes import log_tail, start_node, wait_for
-from lightning_emig.training.events import read_events
 
 ADDRESSES = {"a": "127.0.0.2", "b": "127.0.0.3", "c": "127.0.0.4"}
 

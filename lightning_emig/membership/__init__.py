@@ -1,14 +1,18 @@
-"""Membership: generations of the world as the training process sees them.
+"""Membership: generations of the world as the training process sees them (below the strategy: it sees only
+:class:`~lightning_emig.membership.settings.ElasticSettings` and plain callables, never the strategy class).
 
 * :mod:`~lightning_emig.membership.group`: forming a generation's process group and the environment Lightning
   reads for it;
-* :mod:`~lightning_emig.membership.callback`: :class:`RendezvousCallback`, which agrees on a new generation at an
-  optimizer-step boundary and captures the live state to hand over;
-* :mod:`~lightning_emig.membership.handoff`: :class:`LiveHandoff` and :func:`join_live`, where the state moves
-  into the new world inside ``strategy.load_checkpoint("live")``.
+* :mod:`~lightning_emig.membership.settings`: what every change asks, and the one rule that lays out a new world;
+* :mod:`~lightning_emig.membership.handoff`: :class:`LiveHandoff`, what a running process carries into its next fit;
+* :mod:`~lightning_emig.membership.preempt`, :mod:`~lightning_emig.membership.failure`,
+  :mod:`~lightning_emig.membership.below_min`: leaving with notice, abrupt failure, waiting below MIN;
+* :mod:`~lightning_emig.membership.heartbeat`: liveness of workers, judged on the reader's clock.
+
+The Lightning side (the per-step agreement callback, the live join, one fit call per job) is in
+:mod:`lightning_emig.strategy`.
 """
 
-from lightning_emig.membership.callback import HandoffAwareCheckpoint, RendezvousCallback
 from lightning_emig.membership.group import (
     apply_generation_env,
     form_generation_group,
@@ -16,17 +20,16 @@ from lightning_emig.membership.group import (
     joining_live,
     under_launcher,
 )
-from lightning_emig.membership.handoff import LIVE_CHECKPOINT, LiveHandoff, join_live, layout_for_new_world
+from lightning_emig.membership.handoff import LIVE_CHECKPOINT, LiveHandoff
+from lightning_emig.membership.settings import ElasticSettings, layout_for_new_world
 
 __all__ = [
     "LIVE_CHECKPOINT",
-    "HandoffAwareCheckpoint",
+    "ElasticSettings",
     "LiveHandoff",
-    "RendezvousCallback",
     "apply_generation_env",
     "form_generation_group",
     "generation_env",
-    "join_live",
     "joining_live",
     "layout_for_new_world",
     "under_launcher",

@@ -13,7 +13,7 @@ which every survivor runs:
    exactly one): the surviving ranks. The lowest survivor publishes generation ``n+1`` (survivors only, all kept)
    and every survivor forms its process group.
 3. **rebuild**: if every survivor's state is the same step's (the last optimizer-step boundary, captured by
-   :class:`~lightning_emig.membership.callback.RendezvousCallback`, with the optimizer's own step count agreeing),
+   :class:`~lightning_emig.strategy.rendezvous.RendezvousCallback`, with the optimizer's own step count agreeing),
    :func:`~lightning_emig.migration.engine.migrate` lays it out for the new world, taking what the dead held from
    its replicas. The result is a :class:`LiveHandoff` (``prior.kind == "failure"``, no step lost).
 4. **rollback** otherwise — a shard with no surviving copy (``StateLostError``), survivors at different steps, or a
@@ -27,6 +27,7 @@ its agent then treats its node as failed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -42,15 +43,15 @@ from lightning_emig.launcher.generation import (
     node_host,
     read_generation,
 )
-from lightning_emig.membership.handoff import LiveHandoff, layout_for_new_world
+from lightning_emig.membership.handoff import LiveHandoff
 from lightning_emig.membership.heartbeat import HeartbeatWatch
-from lightning_emig.migration.engine import MigrationFailedError, migrate
+from lightning_emig.migration.change import allocate_shards, execute_change
+from lightning_emig.migration.engine import MigrationFailedError
 from lightning_emig.migration.planner import IdentityMap, ProcessInfo, StateLostError
-from lightning_emig.migration.transfer import TransferOptions
 
 if TYPE_CHECKING:
     from lightning_emig.layout import HybridLayout
-    from lightning_emig.strategy.elastic import ElasticMigrationStrategy
+    from lightning_emig.membership.settings import ElasticWorker
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def new_generation_key(generation: int) -> str:
 
 
 def recover_from_failure(
-    strategy: ElasticMigrationStrategy, error: BaseException, node_id: str, local_rank: int
+    strategy: ElasticWorker, error: BaseException, node_id: str, local_rank: int
 ) -> LiveHandoff | Rollback:
     """Every survivor: steps 1-4 of the module docstring. Returns the handoff into the survivors' generation, or
     what a rollback needs; the survivors' process group is formed either way."""
@@ -155,7 +156,8 @@ def recover_from_failure(
     agree = time.perf_counter() - started
 
     new_world, my_new_rank = len(survivors), new_rank_of[rank]
-    new_layout = layout_for_new_world(strategy._requested_layout, new_world)  # noqa: SLF001 - the setup rule
+    # Decided, and checked against the model and the global batch, before anything moves.
+    new_layout, _ = strategy.elastic_settings.layout_for_world(new_world)
     steps = {reports[r]["step"] for r in survivors}
     furthest = max(steps)
     seconds = {"detect": detect, "agree": agree}
@@ -181,12 +183,12 @@ def recover_from_failure(
     handoff.seconds = {**stash.seconds, **seconds, **handoff.seconds}
     handoff.generation = new_generation
     assert handoff.prior is not None
-    handoff.prior.update(kind="failure", dead_nodes=decision["dead_nodes"], steps_rolled_back=0)
+    handoff.prior = dataclasses.replace(handoff.prior, nodes=tuple(decision["dead_nodes"]))
     if my_new_rank == 0:
         log.error(
             "ABRUPT FAILURE of node(s) %s at step %d: world %d -> %d, %s -> %s; every lost shard rebuilt from "
             "replicas (%.1f MB moved), no step lost; generation %d", decision["dead_nodes"], furthest, old_world,
-            new_world, old_layout.describe(), new_layout.describe(), handoff.prior["bytes_moved"] / 1e6,
+            new_world, old_layout.describe(), new_layout.describe(), handoff.prior.bytes_moved / 1e6,
             new_generation,
         )
     return handoff
@@ -262,21 +264,17 @@ def _form_group(info: GenerationInfo, node_id: str, local_rank: int, backend: st
     form_generation_group(info, rank, backend, timeout)
 
 
-def _backend(strategy: ElasticMigrationStrategy) -> str:
+def _backend(strategy: ElasticWorker) -> str:
     if dist.is_initialized():
         return str(dist.get_backend())
-    return strategy._process_group_backend or ("nccl" if strategy.root_device.type == "cuda" else "gloo")  # noqa: SLF001
+    return strategy.process_group_backend or ("nccl" if strategy.root_device.type == "cuda" else "gloo")
 
 
 def _rebuild_from_replicas(
-    strategy: ElasticMigrationStrategy, stash: LiveHandoff, old_layout: HybridLayout, old_world: int,
+    strategy: ElasticWorker, stash: LiveHandoff, old_layout: HybridLayout, old_world: int,
     new_layout: HybridLayout, survivors: list[int], rank: int,
 ) -> LiveHandoff:
     """Lay the survivors' state out for the new world; what the dead held comes from its replicas."""
-    from lightning_emig.data.batching import BatchPlan
-    from lightning_emig.membership.preempt import allocate_shards
-    from lightning_emig.strategy.boundary import rescale_batch_progress
-
     started = time.perf_counter()
     assert stash.state is not None
     new_rank = survivors.index(rank)
@@ -286,23 +284,15 @@ def _rebuild_from_replicas(
         old_world, len(survivors),
     )
     allocate = time.perf_counter() - started
-    report = migrate(
-        old_state=stash.state, new_state=new_state, old_layout=old_layout, new_layout=new_layout, identity=identity,
-        pid=new_rank, transfer=TransferOptions(bucket_bytes=strategy.bucket_bytes, checksum=strategy.checksum),
+    record = execute_change(
+        kind="failure", step=int(stash.metadata["global_step"]), old_state=stash.state, new_state=new_state,
+        old_layout=old_layout, new_layout=new_layout, identity=identity, pid=new_rank, release_old=False,
+        transfer=strategy.elastic_settings.transfer,
     )
-    gathered: list[Any] = [None] * len(survivors)
-    dist.all_gather_object(gathered, (report.stats.bytes_received, report.stats.bytes_copied))
-    trainer = strategy.lightning_module.trainer if strategy.lightning_module is not None else None
-    old_accumulation = trainer.accumulate_grad_batches if trainer is not None else strategy.batch_plan.grad_accumulation
-    new_plan = BatchPlan(global_batch_size=strategy.global_batch_size, micro_batch_size=strategy.micro_batch_size,
-                         dp_degree=new_layout.dp)
-    rescale_batch_progress(stash.metadata, old_accumulation, new_plan.grad_accumulation)
     return LiveHandoff(
         generation=-1, old_generation=strategy.generation, old_layout=new_layout, old_world=len(survivors),
         old_rank=new_rank, state=new_state, metadata=stash.metadata, last_step_wall=stash.last_step_wall,
-        seconds={"allocate": allocate, "transfer": sum(report.seconds.values())},
-        prior={"kind": "failure", "old_layout": old_layout.as_dict(), "old_world": old_world,
-               "bytes_moved": sum(g[0] for g in gathered), "bytes_copied_locally": sum(g[1] for g in gathered)},
+        seconds={"allocate": allocate}, prior=record,
     )
 
 

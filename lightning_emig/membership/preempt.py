@@ -1,11 +1,11 @@
 """Announced preemption: a node leaves with notice and its workers hand their state to the survivors first.
 
 The drain runs at an optimizer-step boundary, on the *old* process group (still whole: it is old ∪ new), by every
-old rank, once :class:`~lightning_emig.membership.callback.RendezvousCallback` agreed that a node announced its
+old rank, once :class:`~lightning_emig.strategy.rendezvous.RendezvousCallback` agreed that a node announced its
 departure (``leaving/<node_id>`` in the control store, written by its agent on SIGTERM):
 
 1. global rank 0 broadcasts the current generation and the leaving nodes; every rank derives the survivors
-   (ranked in old-rank order) and the new layout (:func:`~lightning_emig.membership.handoff.layout_for_new_world`);
+   (ranked in old-rank order) and the new layout (``ElasticSettings.layout_for_world``, checked before anything moves);
 2. the lowest surviving old rank (new rank 0) picks a free port on its host, publishes the next generation
    (survivors only, all ``kept_workers``) and broadcasts its number — unless the agents published a round meanwhile
    (a node joined) that holds the survivors and no leaver: the survivors go into that one instead;
@@ -19,16 +19,15 @@ departure (``leaving/<node_id>`` in the control store, written by its agent on S
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
 import time
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 
-from lightning_emig.data.batching import BatchPlan
 from lightning_emig.launcher.generation import (
     ENV_NODE_ID,
     NodeEntry,
@@ -38,17 +37,15 @@ from lightning_emig.launcher.generation import (
     publish_generation,
     read_generation,
 )
-from lightning_emig.membership.handoff import LiveHandoff, layout_for_new_world
-from lightning_emig.migration.engine import migrate
+from lightning_emig.membership.handoff import LiveHandoff
+from lightning_emig.migration.change import allocate_shards, execute_change
 from lightning_emig.migration.planner import IdentityMap, ProcessInfo
-from lightning_emig.migration.state import StateTensor
-from lightning_emig.migration.transfer import TransferOptions
-from lightning_emig.strategy.boundary import rescale_batch_progress
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_emig.layout import HybridLayout
+    from lightning_emig.membership.settings import ElasticWorker
+
 
 log = logging.getLogger(__name__)
 
@@ -78,24 +75,11 @@ def publish_survivors(
                               master_port=_free_port(host), rendezvous_seconds=0.0, only_after=only_after)
 
 
-def allocate_shards(
-    like: dict[str, StateTensor], layout: HybridLayout, rank: int
-) -> dict[str, StateTensor]:
-    """Plain local buffers for ``rank``'s shards of every tensor of ``like`` under ``layout`` (no mesh needed)."""
-    out = {}
-    for key, tensor in like.items():
-        holding = tensor.spec.on(layout).holding_of_rank(rank)
-        shape = holding.local_shape if holding is not None else (0,)
-        out[key] = StateTensor(key, tensor.spec, torch.empty(shape, dtype=tensor.spec.dtype,
-                                                             device=tensor.local.device))
-    return out
-
-
 def _joined_meanwhile(client: Any, info: Any, leaving: list[str]) -> tuple[int | None, int]:
     """A generation the agents published after ``info`` (nodes joined) that holds every surviving node and none of
     the leavers — the survivors go straight into it — or None; and the latest generation seen. (One that still holds
     a leaver is joined first and the leaver drained there: the
-    :class:`~lightning_emig.membership.callback.RendezvousCallback` waits for it.)"""
+    :class:`~lightning_emig.strategy.rendezvous.RendezvousCallback` waits for it.)"""
     latest = latest_generation(client)
     if latest <= info.generation:
         return None, latest
@@ -132,7 +116,7 @@ def drain_leavers(trainer: pl.Trainer, client: Any, handoff: LiveHandoff) -> Liv
     """
     from lightning_emig.launcher.generation import control_client_from_env
 
-    strategy: Any = trainer.strategy
+    strategy: ElasticWorker = trainer.strategy  # type: ignore[assignment]
     rank, old_world, old_layout = strategy.global_rank, strategy.world_size, strategy.layout
     started = time.perf_counter()
     box: list[Any] = [None]
@@ -150,7 +134,8 @@ def drain_leavers(trainer: pl.Trainer, client: Any, handoff: LiveHandoff) -> Liv
         raise RuntimeError(f"every node of generation {generation} announced its departure: nobody to hand off to")
     new_rank_of = {old: new for new, old in enumerate(survivors)}
     new_world = len(survivors)
-    new_layout = layout_for_new_world(strategy._requested_layout, new_world)  # noqa: SLF001 - same rule as setup
+    # Decided, and checked against the model and the global batch, before anything is published or moved.
+    new_layout, _ = strategy.elastic_settings.layout_for_world(new_world)
     my_new_rank = new_rank_of.get(rank)
 
     # The new generation: one the agents published meanwhile (survivors + joiners), else the survivors', published
@@ -176,36 +161,26 @@ def drain_leavers(trainer: pl.Trainer, client: Any, handoff: LiveHandoff) -> Liv
         old_world, new_world,
     )
     allocate = time.perf_counter() - started
-    report = migrate(
-        old_state=old_state, new_state=new_state, old_layout=old_layout, new_layout=new_layout, identity=identity,
-        pid=rank, transfer=TransferOptions(bucket_bytes=strategy.bucket_bytes, checksum=strategy.checksum),
+    record = execute_change(
+        kind="preempt", step=trainer.global_step, old_state=old_state, new_state=new_state, old_layout=old_layout,
+        new_layout=new_layout, identity=identity, pid=rank, release_old=False,
+        transfer=strategy.elastic_settings.transfer,
     )
-    gathered: list[Any] = [None] * old_world
-    dist.all_gather_object(gathered, (report.stats.bytes_received, report.stats.bytes_copied))
-    totals = [sum(g[0] for g in gathered), sum(g[1] for g in gathered)]
-    seconds = {**handoff.seconds, "agree_leave": agree, "allocate": allocate,
-               "transfer": sum(report.seconds.values())}
-    handoff.seconds = seconds
+    handoff.seconds = {**handoff.seconds, "agree_leave": agree, "allocate": allocate}
     handoff.phase_started = time.perf_counter()
     handoff.generation = new_generation
     handoff.state = new_state
-    handoff.prior = {
-        "kind": "preempt", "old_layout": old_layout.as_dict(), "old_world": old_world,
-        "bytes_moved": int(totals[0]), "bytes_copied_locally": int(totals[1]), "leaving_nodes": leaving,
-    }
+    handoff.prior = dataclasses.replace(record, nodes=tuple(leaving))  # its seconds: the transfer
     if my_new_rank is None:
         handoff.leaving = True
         log.warning("node %s preempted: state handed over at step %d (%.1f MB sent), exiting",
-                    os.environ.get(ENV_NODE_ID, "?"), trainer.global_step, report.stats.bytes_sent / 1e6)
+                    os.environ.get(ENV_NODE_ID, "?"), trainer.global_step, record.bytes_moved / 1e6)
     else:
         handoff.old_layout, handoff.old_world, handoff.old_rank = new_layout, new_world, my_new_rank
-        new_plan = BatchPlan(global_batch_size=strategy.global_batch_size, micro_batch_size=strategy.micro_batch_size,
-                             dp_degree=new_layout.dp)
-        rescale_batch_progress(handoff.metadata, trainer.accumulate_grad_batches, new_plan.grad_accumulation)
         if my_new_rank == 0:
             log.warning(
                 "node(s) %s preempted at step %d: world %d -> %d, %s -> %s, %.1f MB moved; generation %d",
                 leaving, trainer.global_step, old_world, new_world, old_layout.describe(), new_layout.describe(),
-                int(totals[0]) / 1e6, new_generation,
+                record.bytes_moved / 1e6, new_generation,
             )
     return handoff

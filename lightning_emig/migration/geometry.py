@@ -137,7 +137,7 @@ class TensorSharding:
     axis_groups: tuple[tuple[int, ...], ...]
     stage: int | None = None
     stage_axis: int = 0
-    _steps: tuple[_Step, ...] = field(init=False, repr=False, compare=False)
+    steps: tuple[_Step, ...] = field(init=False, repr=False, compare=False)
     _replica_axes: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -166,7 +166,7 @@ class TensorSharding:
             for a in range(len(self.mesh_shape))
             if a not in sharded and (self.stage is None or a != self.stage_axis)
         )
-        object.__setattr__(self, "_steps", _build_steps(self))
+        object.__setattr__(self, "steps", _build_steps(self))
         object.__setattr__(self, "_replica_axes", replica)
 
     # ------------------------------------------------------------------ constructors
@@ -237,7 +237,7 @@ class TensorSharding:
             raise GeometryError(f"coordinate {coord} is not on mesh {self.mesh_shape}")
         if self.stage is not None and coord[self.stage_axis] != self.stage:
             return None
-        return _holding(self, tuple(coord[a] for s in self._steps for a in s.axes))
+        return _holding(self, tuple(coord[a] for s in self.steps for a in s.axes))
 
     def holding_of_rank(self, rank: int) -> Holding | None:
         return self.holding(rank_to_coordinate(rank, self.mesh_shape))
@@ -247,7 +247,7 @@ class TensorSharding:
         coord = rank_to_coordinate(rank, self.mesh_shape)
         if self.stage is not None and coord[self.stage_axis] != self.stage:
             return ()
-        return self._ranks_varying_replicas(coord)
+        return self.ranks_varying_replicas(coord)
 
     def sources(self, box: ShardBox) -> tuple[Source, ...]:
         """Every distinct piece overlapping ``box``, with the ranks holding it.
@@ -265,7 +265,7 @@ class TensorSharding:
         """The holding of every coordinate (world-sized: for tests and small tools)."""
         return {c: self.holding(c) for c in itertools.product(*(range(n) for n in self.mesh_shape))}
 
-    def _ranks_varying_replicas(self, coord: Coordinate) -> tuple[int, ...]:
+    def ranks_varying_replicas(self, coord: Coordinate) -> tuple[int, ...]:
         base = list(coord)
         if self.stage is not None:
             base[self.stage_axis] = self.stage
@@ -372,7 +372,7 @@ def _apply(step: _Step, dims: list[list[Interval]], index: int) -> list[list[Int
 def _holding(sharding: TensorSharding, step_coords: tuple[int, ...]) -> Holding:
     dims: list[list[Interval]] = [[(0, n)] if n else [] for n in sharding.global_shape]
     it = iter(step_coords)
-    for step in sharding._steps:
+    for step in sharding.steps:
         index = _ravel([next(it) for _ in step.axes], step.sizes)
         dims = _apply(step, dims, index)
     return _make_holding(sharding.global_shape, dims)
@@ -400,17 +400,17 @@ def _with_local_starts(intervals: list[Interval]) -> list[tuple[Interval, int]]:
 def _sources(sharding: TensorSharding, box: ShardBox) -> tuple[Source, ...]:
     dims: list[list[Interval]] = [[(0, n)] if n else [] for n in sharding.global_shape]
     found: list[Source] = []
-    for coord_values, leaf_dims in _search(sharding._steps, 0, dims, (), box):
+    for coord_values, leaf_dims in _search(sharding.steps, 0, dims, (), box):
         holding = _make_holding(sharding.global_shape, leaf_dims)
         pieces = [p for p in holding.pieces if p.global_box.intersect(box) is not None]
         if not pieces:
             continue
         coord = [0] * len(sharding.mesh_shape)
         it = iter(coord_values)
-        for step in sharding._steps:
+        for step in sharding.steps:
             for a in step.axes:
                 coord[a] = next(it)
-        ranks = sharding._ranks_varying_replicas(tuple(coord))
+        ranks = sharding.ranks_varying_replicas(tuple(coord))
         found.extend(Source(p, ranks) for p in pieces)
     return tuple(found)
 

@@ -2,7 +2,7 @@
 
 What lands on disk is exactly what Lightning's ``ModelParallelStrategy.save_checkpoint`` writes: a directory with
 DCP's shard files and ``.metadata``, and Lightning's ``meta.pt`` (every entry of the checkpoint dict but the model
-and optimizer state), so ``load_checkpoint`` and :func:`lightning_emig.training.resume.newest_checkpoint` read it
+and optimizer state), so ``load_checkpoint`` and :func:`lightning_emig.strategy.resume.newest_checkpoint` read it
 unchanged.
 
 Invariants:
@@ -10,7 +10,7 @@ Invariants:
 * ``meta.pt`` is the completion marker. Global rank 0 writes it (to a temporary file, then renamed) only once its
   DCP save has returned, i.e. after DCP's coordinator wrote ``.metadata``, which DCP does only after every rank
   reported its shards written. Before a save into an existing directory starts, rank 0 deletes that directory's
-  ``meta.pt`` and ``.metadata``. So :func:`~lightning_emig.training.resume.is_complete` (both files present) never
+  ``meta.pt`` and ``.metadata``. So :func:`~lightning_emig.strategy.resume.is_complete` (both files present) never
   takes an in-flight, failed or abandoned save for a complete one.
 * The state is copied to CPU memory before :meth:`AsyncCheckpointWriter.save` returns: training may change every
   parameter right away.

@@ -41,7 +41,7 @@ def restart_training_iterator(trainer: pl.Trainer, old_accumulation: int) -> Non
     progress.ready = progress.started = progress.processed = micro_batches
     progress.completed = micro_batches - 1 if in_batch_end else micro_batches
 
-    fetcher: Any = trainer.fit_loop._data_fetcher
+    fetcher: Any = trainer.fit_loop._data_fetcher  # noqa: SLF001 - no public handle; pinned by test_reconfigure
     if fetcher is None or fetcher.iterator is None:
         return  # not iterating yet: the first iter() will read the new topology
     if hasattr(fetcher, "batches"):

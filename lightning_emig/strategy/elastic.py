@@ -12,13 +12,14 @@ What the strategy owns, and nothing more (elasticity stays inside this boundary,
 * sharded PyTorch Distributed Checkpoints (model, optimizer, scheduler, data offset, loop counters, RNG) that
   load under any other layout (resharding on load);
 * the live join (``fit(ckpt_path="live")``): under ``lightning-emig-run`` it forms the generation's process group
-  itself, lays the model out for the new world by :func:`~lightning_emig.membership.handoff.layout_for_new_world`,
+  itself, lays the model out for the new world by ``elastic_settings.layout_for_world`` (one rule for every change),
   and in ``load_checkpoint`` receives the state from the processes that kept running
-  (:func:`~lightning_emig.membership.handoff.join_live`).
+  (:func:`~lightning_emig.strategy.live_join.join_live`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -30,11 +31,26 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
+from lightning_emig.data.adopt import USE_INSTEAD, DataLoaderNotElasticError, adopt_dataloader
 from lightning_emig.data.batching import BatchPlan
 from lightning_emig.data.loader import MicroBatchLoader
 from lightning_emig.data.stream import MicroBatchStream
+from lightning_emig.launcher.generation import ENV_GENERATION, control_client_from_env, read_generation
 from lightning_emig.layout import HybridLayout, LayoutMesh, build_mesh
-from lightning_emig.migration.transfer import DEFAULT_BUCKET_BYTES
+from lightning_emig.membership.failure import FailureSettings
+from lightning_emig.membership.group import (
+    announce_ready,
+    apply_generation_env,
+    form_generation_group,
+    joining_live,
+    under_launcher,
+)
+from lightning_emig.membership.handoff import LIVE_CHECKPOINT, LiveHandoff
+from lightning_emig.membership.heartbeat import start_heartbeat
+from lightning_emig.membership.settings import ElasticSettings, validate_layout_for_module
+from lightning_emig.migration.change import ChangeRecord
+from lightning_emig.migration.state import training_state
+from lightning_emig.migration.transfer import DEFAULT_BUCKET_BYTES, TransferOptions
 from lightning_emig.strategy.async_checkpoint import AsyncCheckpointWriter
 from lightning_emig.strategy.boundary import (
     StepBoundaryHook,
@@ -42,18 +58,21 @@ from lightning_emig.strategy.boundary import (
     rescale_batch_progress,
     restart_training_iterator,
 )
-from lightning_emig.strategy.reconfigure import ReconfigureEvent, reconfigure_live, validate_layout_for_module
+from lightning_emig.strategy.elastic_fit import ElasticFitLauncher, treat_step_as_saved
+from lightning_emig.strategy.events import publish_event
+from lightning_emig.strategy.live_join import join_live
+from lightning_emig.strategy.reconfigure import ReconfigureEvent, check_rebuilt, reconfigure_live
+from lightning_emig.strategy.rendezvous import RendezvousCallback
+from lightning_emig.strategy.resume import restart_reason
 from lightning_emig.strategy.rng import gather_rng_states, restore_rng_for_rank
-from lightning_emig.training.events import publish_event
-from lightning_emig.training.resume import restart_reason
+from lightning_emig.strategy.sharded_load import holds_dtensors, load_sharded_into_plain_model
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.fabric.utilities.types import _PATH
     from torch.optim import Optimizer
 
-    from lightning_emig.membership.failure import FailureSettings, Rollback
-    from lightning_emig.membership.handoff import JoinResult, LiveHandoff
+    from lightning_emig.membership.failure import Rollback
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +138,6 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         """Live state carried over from the previous fit of this ``Trainer.fit`` call (see ``prepare_next_fit``)."""
         self.pending_handoff: LiveHandoff | None = None
         """Set by ``RendezvousCallback`` when this fit stops to hand its state to a newer generation."""
-        from lightning_emig.membership.failure import FailureSettings  # the membership package imports us
-
         self.failure_settings = failure or FailureSettings()
         self.last_boundary: LiveHandoff | None = None
         """This process's live state and resume metadata at the last optimizer-step boundary (or right after a live
@@ -133,7 +150,11 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         self.left_job = False
         """This process's node was preempted and handed its state over: it is no longer part of the job."""
         self._accumulation_written: int | None = None
-        self._join: tuple[JoinResult, float] | None = None
+        self._dropped_children: list[str] = []
+        self._starting_over = False
+        self._join: tuple[ChangeRecord, float, float] | None = None
+        """The change this fit started with (its record, when the last old step ended, when the state was in place):
+        its event is recorded once the first step on the new world is done."""
         self.live_resume_step: int | None = None
         """The step a live handoff resumed at (its state was never written; no checkpoint is due for it)."""
         self.resumed_from: ResumedCheckpoint | None = None
@@ -151,7 +172,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         self._layout_mesh = None
         self._device_mesh = None
         if self.lightning_module is not None:
-            self.lightning_module._device_mesh = None
+            self.lightning_module._device_mesh = None  # noqa: SLF001 - as ModelParallelStrategy sets it
         self.optimizers = []
         self.lr_scheduler_configs = []
 
@@ -179,27 +200,36 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
     @property
     def live_join(self) -> bool:
         """This fit receives its state from running processes (``fit(ckpt_path="live")``)."""
-        from lightning_emig.membership.group import joining_live
-
         if self._rollback is not None:  # restores a checkpoint, even in a process that once joined live
             return False
         return self._incoming_handoff is not None or joining_live()
 
+    @property
+    def elastic_settings(self) -> ElasticSettings:
+        """What every change of world or layout asks (the membership layer sees this, not the strategy)."""
+        module = self.lightning_module
+        return ElasticSettings(
+            requested_layout=self._requested_layout, global_batch_size=self.global_batch_size,
+            micro_batch_size=self.micro_batch_size,
+            transfer=TransferOptions(bucket_bytes=self.bucket_bytes, checksum=self.checksum),
+            validate_layout=lambda layout: validate_layout_for_module(module, layout),
+        )
+
     # ------------------------------------------------------------- lifecycle
     @override
     def _configure_launcher(self) -> None:
-        from lightning_emig.membership.group import under_launcher
-
         if under_launcher():  # one fit call follows every membership change (see elastic_fit)
-            from lightning_emig.strategy.elastic_fit import ElasticFitLauncher
-
             self._launcher = ElasticFitLauncher(self)
             return
         super()._configure_launcher()
 
-    def prepare_next_fit(self, *, handoff: LiveHandoff | None = None, rollback: Rollback | None = None) -> None:
+    def prepare_next_fit(self, *, handoff: LiveHandoff | None = None, rollback: Rollback | None = None,
+                         dropped: list[str] | None = None) -> None:
         """Between two fits of one ``Trainer.fit`` call: the next one takes ``handoff`` live, or restores a
-        checkpoint after ``rollback`` (its process group is formed either way)."""
+        checkpoint after ``rollback`` (its process group is formed either way); ``dropped`` are the module's
+        children its ``configure_model`` must build again."""
+        self.release_process_groups()  # the old world's mesh and optimizers: the next fit builds its own
+        self._dropped_children = list(dropped or [])
         self._incoming_handoff = handoff
         self._rollback = rollback
         self.pending_handoff = None
@@ -210,6 +240,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             self.generation = handoff.generation
         if rollback is not None:
             self.generation = rollback.generation
+        self._starting_over = rollback is not None and rollback.checkpoint is None
 
     def checkpoint_dir(self, trainer: pl.Trainer) -> Path | None:
         """Where the trainer's ``ModelCheckpoint`` writes (a rollback restores the newest complete one there)."""
@@ -219,34 +250,23 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        from lightning_emig.membership.group import under_launcher
-
         if self._checkpoint_writer.closed:  # the previous fit of this Trainer.fit call closed it
             self._checkpoint_writer = AsyncCheckpointWriter(self.timeout)
         if under_launcher():
-            from lightning_emig.membership.heartbeat import start_heartbeat
-
             start_heartbeat(self.failure_settings.heartbeat_interval_s)
         self._form_generation_group()
         # Skip ModelParallelStrategy's 2-D mesh: ours is built from the layout.
         self._setup_distributed()
-        if self.live_join:
-            from lightning_emig.membership.handoff import layout_for_new_world
-
-            layout = layout_for_new_world(self._requested_layout, self.world_size)
-            self.migrating = True  # configure_model must not initialise: the join overwrites every tensor
-        elif restart_reason() is not None or self._rollback is not None:
-            from lightning_emig.membership.handoff import layout_for_new_world
-
-            # Restarted (or rolled back) into a world of another size: the requested layout may not divide it.
-            layout = layout_for_new_world(self._requested_layout, self.world_size)
-        else:
+        settings = self.elastic_settings
+        if self.live_join or restart_reason() is not None or self._rollback is not None:
+            # A world this job did not start with (joined, restarted, rolled back): the rule of every change decides.
+            layout, plan = settings.layout_for_world(self.world_size)
+        else:  # the first start: the layout asked for, or a loud error if it does not fit this world
             layout = self._requested_layout.resolve(self.world_size)
-        validate_layout_for_module(self.lightning_module, layout)
-        plan = BatchPlan(
-            global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size, dp_degree=layout.dp
-        )
-        self._install_mesh(build_mesh(layout, self.root_device.type), plan)
+            settings.validate_layout(layout)
+            plan = settings.plan_for(layout)
+        self.migrating = self.live_join  # configure_model must not initialise: the join overwrites every tensor
+        self.install_mesh(build_mesh(layout, self.root_device.type), plan)
         if self._rollback is not None and self._rollback.checkpoint is None:
             self._note_rollback(step=0, load_seconds=0.0)  # no checkpoint: the fit starts over from step 0
 
@@ -254,17 +274,8 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         """Under lightning-emig-run, after a live change, torchrun's env:// rendezvous no longer applies."""
         import torch.distributed as dist
 
-        from lightning_emig.membership.group import (
-            announce_ready,
-            apply_generation_env,
-            form_generation_group,
-            under_launcher,
-        )
-
         if dist.is_initialized() or not under_launcher() or not (self.generation > 0 or self.live_join):
             return
-        from lightning_emig.launcher.generation import control_client_from_env, read_generation
-
         client = control_client_from_env()
         info = read_generation(client, self.generation)
         if self.live_join and self._incoming_handoff is None:
@@ -273,12 +284,12 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
         form_generation_group(info, rank, backend, self.timeout)
 
-    def _install_mesh(self, layout_mesh: LayoutMesh, plan: BatchPlan) -> None:
+    def install_mesh(self, layout_mesh: LayoutMesh, plan: BatchPlan) -> None:
         self._layout_mesh = layout_mesh
         self._device_mesh = layout_mesh.root
         self._batch_plan = plan
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        self.lightning_module._device_mesh = self._device_mesh  # noqa: SLF001 - as ModelParallelStrategy sets it
         if self.global_rank == 0:
             log.info("layout %s on %d processes; %s", layout_mesh.layout.describe(), self.world_size, plan.describe())
 
@@ -289,6 +300,8 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
                 "ElasticMigrationStrategy trains by optimizer steps (its data stream has no epoch end that survives "
                 "a change of world): set Trainer(max_steps=...)"
             )
+        check_rebuilt(self.lightning_module, self._dropped_children)
+        self._dropped_children = []
         self._apply_gradient_accumulation(trainer)
         _add_callbacks(trainer)
         super().setup(trainer)
@@ -329,7 +342,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             return
         publish_event(trainer, event)
 
-    def _restart_data(self, trainer: pl.Trainer) -> None:
+    def restart_data(self, trainer: pl.Trainer) -> None:
         """After a layout change: new accumulation, new data-parallel coordinate, fresh data iterator."""
         old_accumulation = trainer.accumulate_grad_batches
         trainer.accumulate_grad_batches = self._accumulation_written = self.batch_plan.grad_accumulation
@@ -365,8 +378,6 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         if not isinstance(dataloader, MicroBatchLoader):
             from torch.utils.data import DataLoader
 
-            from lightning_emig.data.adopt import USE_INSTEAD, DataLoaderNotElasticError, adopt_dataloader
-
             if not isinstance(dataloader, DataLoader):
                 raise DataLoaderNotElasticError(
                     f"the training data is a {type(dataloader).__name__}, not a DataLoader; {USE_INSTEAD}"
@@ -393,6 +404,8 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
                 f"the data stream uses micro_batch_size={stream.micro_batch_size} but the strategy "
                 f"uses {self.micro_batch_size}; build both from the same value"
             )
+        if self._starting_over:  # a rollback with no checkpoint: the data starts over too
+            stream.seek(0)
         stream.set_topology(self.layout.dp, self.layout_mesh.dp_rank)
         if loader not in self._loaders:
             self._loaders.append(loader)
@@ -431,8 +444,6 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        from lightning_emig.membership.handoff import LIVE_CHECKPOINT
-
         if checkpoint_path == LIVE_CHECKPOINT:
             return self._load_live()
         load_started = time.time()
@@ -467,8 +478,6 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         return checkpoint
 
     def _load_checkpoint_contents(self, checkpoint_path: _PATH) -> dict[str, Any]:
-        from lightning_emig.strategy.sharded_load import holds_dtensors, load_sharded_into_plain_model
-
         path = Path(self.broadcast(checkpoint_path)).resolve()  # every rank reads the same checkpoint
         assert self.lightning_module is not None
         if path.is_dir() and not holds_dtensors(self.lightning_module):  # one process: no FSDP2, no TP
@@ -479,27 +488,25 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
 
     def _note_rollback(self, *, step: int, load_seconds: float) -> None:
         """The ``failure`` event of a rollback, recorded once the first step on the new world is done."""
-        from lightning_emig.membership.handoff import JoinResult
-
         rollback = self._rollback
         assert rollback is not None
-        self._join = (JoinResult(
-            old_layout=rollback.old_layout, old_world=rollback.old_world, bytes_moved=0, bytes_copied_locally=0,
-            seconds={**rollback.seconds, "load": load_seconds}, last_step_wall=rollback.last_step_wall, step=step,
-            kind="failure", steps_rolled_back=max(0, rollback.from_step - step),
-        ), time.perf_counter())
+        lost = max(0, rollback.from_step - step)
+        self._join = (ChangeRecord(
+            kind="failure", step=step, old_layout=rollback.old_layout, new_layout=self.layout,
+            old_world=rollback.old_world, new_world=self.world_size, seconds={**rollback.seconds, "load": load_seconds},
+            steps_rolled_back=lost, nodes=tuple(rollback.dead_nodes),
+        ), rollback.last_step_wall, time.perf_counter())
         self.live_resume_step = step
+        self._rollback = None  # used: a later fit, validate or test of this Trainer is no rollback
+        treat_step_as_saved(self.lightning_module.trainer, step)  # restored, not trained: no save due for it
         if self.global_rank == 0:
             log.error(
                 "ROLLED BACK to step %d after the failure of node(s) %s: %d step(s) lost (%s); world %d -> %d, %s",
-                step, rollback.dead_nodes, max(0, rollback.from_step - step), rollback.reason, rollback.old_world,
-                self.world_size, self.layout.describe(),
+                step, rollback.dead_nodes, lost, rollback.reason, rollback.old_world, self.world_size,
+                self.layout.describe(),
             )
 
     def _load_live(self) -> dict[str, Any]:
-        from lightning_emig.membership.handoff import join_live
-        from lightning_emig.strategy.elastic_fit import treat_step_as_saved
-
         if not self.live_join:
             raise RuntimeError(
                 "fit(ckpt_path='live') needs live state: a handoff from the previous fit in this process, or a "
@@ -511,14 +518,15 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         module = self.lightning_module
         assert module is not None
         try:
-            metadata, result = join_live(self, module.trainer, handoff, os.environ.get("LIGHTNING_EMIG_NODE_ID", ""))
+            metadata, result, last_step_wall = join_live(self, module.trainer, handoff,
+                                                         os.environ.get("LIGHTNING_EMIG_NODE_ID", ""))
         finally:
             self.migrating = False
-        self._join = (result, time.perf_counter())
+        self._join = (result, last_step_wall, time.perf_counter())
         self.live_resume_step = result.step
         treat_step_as_saved(module.trainer, result.step)
         os.environ.pop("LIGHTNING_EMIG_JOIN_LIVE", None)  # joined: from now on this process holds state
-        self._stash_after_join(module, metadata, result.last_step_wall)
+        self._stash_after_join(module, metadata, last_step_wall)
         if self.global_rank == 0:
             log.warning(
                 "joined generation %d: world %d -> %d, %s -> %s, %.1f MB moved, resuming at step %d",
@@ -531,9 +539,6 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         """A peer failing before this fit's first step boundary finds the joined state here."""
         import copy
 
-        from lightning_emig.membership.handoff import LiveHandoff
-        from lightning_emig.migration.state import training_state
-
         self.last_boundary = LiveHandoff(
             generation=-1, old_generation=self.generation, old_layout=self.layout, old_world=self.world_size,
             old_rank=self.global_rank, state=training_state(module, self.optimizers[0]),
@@ -545,28 +550,20 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         event. Called in the survivors' generation (this process's rank is its rank there)."""
         prior, handoff.prior = handoff.prior, None
         assert prior is not None
-        self._record_event(trainer, ReconfigureEvent(
-            kind=prior["kind"], step=int(handoff.metadata["global_step"]), old_layout=prior["old_layout"],
-            new_layout=handoff.old_layout.as_dict(), old_world=prior["old_world"], new_world=handoff.old_world,
-            bytes_moved=prior["bytes_moved"], bytes_copied_locally=prior["bytes_copied_locally"],
-            seconds={**handoff.seconds, "below_min_wait": waited}, generation=handoff.generation,
-            steps_rolled_back=prior.get("steps_rolled_back"),
-        ))
+        seconds = {**handoff.seconds, **prior.seconds, "below_min_wait": waited}
+        self._record_event(trainer, ReconfigureEvent.of(dataclasses.replace(prior, seconds=seconds),
+                                                        generation=handoff.generation))
         handoff.seconds = {"below_min_wait": waited}
 
     def finish_join_event(self, trainer: pl.Trainer) -> None:
         """Record the join once the first step on the new world has finished (or the fit ends without one)."""
         if self._join is None:
             return
-        result, loaded_at = self._join
+        record, last_step_wall, loaded_at = self._join
         self._join = None
-        seconds = {**result.seconds, "first_step": time.perf_counter() - loaded_at}
-        self._record_event(trainer, ReconfigureEvent(
-            kind=result.kind, step=result.step, old_layout=result.old_layout.as_dict(), new_layout=self.layout.as_dict(),
-            old_world=result.old_world, new_world=self.world_size, bytes_moved=result.bytes_moved,
-            bytes_copied_locally=result.bytes_copied_locally, seconds=seconds, generation=self.generation,
-            downtime_seconds=time.time() - result.last_step_wall, steps_rolled_back=result.steps_rolled_back,
-        ))
+        record = dataclasses.replace(record, seconds={**record.seconds, "first_step": time.perf_counter() - loaded_at})
+        self._record_event(trainer, ReconfigureEvent.of(record, generation=self.generation,
+                                                        downtime_seconds=time.time() - last_step_wall))
 
     @override
     def on_train_start(self) -> None:
@@ -594,7 +591,7 @@ class ResumedCheckpoint:
     """``time.time()`` when loading began."""
     load_seconds: float
     restart_reason: str | None
-    """Why this start was a restart (see :func:`lightning_emig.training.resume.restart_reason`), else None."""
+    """Why this start was a restart (see :func:`lightning_emig.strategy.resume.restart_reason`), else None."""
 
 
 def _add_callbacks(trainer: pl.Trainer) -> None:
@@ -602,9 +599,6 @@ def _add_callbacks(trainer: pl.Trainer) -> None:
     ``lightning-emig-run``. Both run before any checkpoint callback, so a step that hands the state over is known
     to be one before a periodic save would fall on it."""
     from lightning.pytorch.callbacks import Checkpoint
-
-    from lightning_emig.membership.callback import RendezvousCallback
-    from lightning_emig.membership.group import under_launcher
 
     wanted: list[Any] = [StepBoundaryHook()]
     if under_launcher():
@@ -618,8 +612,6 @@ def _add_callbacks(trainer: pl.Trainer) -> None:
 
 
 def _start_generation() -> int:
-    from lightning_emig.launcher.generation import ENV_GENERATION
-
     return int(os.environ.get(ENV_GENERATION, "0"))
 
 

@@ -29,6 +29,7 @@ Lightning's own handler calls before the survivors recover in the same Trainer; 
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import os
@@ -45,7 +46,8 @@ from lightning_emig.membership.below_min import wait_for_enough_nodes
 from lightning_emig.membership.failure import Rollback, is_peer_failure, recover_from_failure
 from lightning_emig.membership.group import apply_generation_env, form_generation_group, joining_live
 from lightning_emig.membership.handoff import LIVE_CHECKPOINT, LiveHandoff
-from lightning_emig.training.resume import newest_checkpoint
+from lightning_emig.strategy.reconfigure import drop_model
+from lightning_emig.strategy.resume import newest_checkpoint
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -57,6 +59,13 @@ if TYPE_CHECKING:
     from lightning_emig.strategy.elastic import ElasticMigrationStrategy
 
 log = logging.getLogger(__name__)
+
+
+class _Done:
+    """The whole ``Trainer.fit`` call is done (distinct from a next fit that starts from no checkpoint)."""
+
+
+DONE = _Done()
 
 
 def is_fit(function: Callable[..., Any]) -> bool:
@@ -89,15 +98,18 @@ class ElasticFitLauncher(_Launcher):
         call = inspect.signature(function).bind(*args, **kwargs)
         if joining_live():
             call.arguments["ckpt_path"] = LIVE_CHECKPOINT
+        self._fresh_loops = copy.deepcopy(trainer.fit_loop.state_dict())  # a rollback with no checkpoint restores it
         while True:
             next_checkpoint = self._fit_once(function, call, trainer)
-            if next_checkpoint is None:
+            if next_checkpoint is DONE:
                 return None
             call.arguments["ckpt_path"] = next_checkpoint
             _prepare_trainer_for_next_fit(trainer)
 
-    def _fit_once(self, function: Callable[..., Any], call: inspect.BoundArguments, trainer: pl.Trainer) -> str | None:
-        """Run one fit; returns the checkpoint the next one starts from (``"live"`` or a path), or None when done."""
+    def _fit_once(self, function: Callable[..., Any], call: inspect.BoundArguments, trainer: pl.Trainer
+                  ) -> str | None | _Done:
+        """Run one fit; returns what the next one starts from (``"live"``, a checkpoint path, or None: from step 0),
+        or :data:`DONE`."""
         strategy = self._strategy
         try:
             function(*call.args, **call.kwargs)
@@ -112,7 +124,7 @@ class ElasticFitLauncher(_Launcher):
         strategy.finish_join_event(trainer)
         handoff = strategy.pending_handoff
         if handoff is None:
-            return None
+            return DONE
         if handoff.leaving:
             dist.destroy_process_group()
             strategy.left_job = True
@@ -121,21 +133,23 @@ class ElasticFitLauncher(_Launcher):
         handoff.lap("teardown")
         switch_to_generation(handoff.generation, timeout=strategy.timeout)
         handoff.lap("group")
-        drop_model(trainer.lightning_module)
-        return self._continue_live(trainer, handoff)
+        return self._continue_live(trainer, handoff, drop_model(trainer.lightning_module))
 
     def _recover(self, trainer: pl.Trainer, failure: BaseException) -> str | None:
         """The survivors' side of an abrupt failure: a live handoff into their generation, or a rollback."""
         strategy = self._strategy
-        drop_model(trainer.lightning_module)  # its FSDP state references the broken groups; the state is stashed
+        # Its FSDP state references the broken groups; the state is stashed.
+        dropped = drop_model(trainer.lightning_module)
         outcome = recover_from_failure(strategy, failure, os.environ[ENV_NODE_ID], int(os.environ["LOCAL_RANK"]))
         if isinstance(outcome, Rollback):
             outcome.checkpoint = _agree_on_newest_checkpoint(strategy.checkpoint_dir(trainer))
-            strategy.prepare_next_fit(rollback=outcome)
+            if outcome.checkpoint is None:  # nothing complete was saved: training starts over from step 0
+                trainer.fit_loop.load_state_dict(copy.deepcopy(self._fresh_loops))
+            strategy.prepare_next_fit(rollback=outcome, dropped=dropped)
             return outcome.checkpoint
-        return self._continue_live(trainer, outcome)
+        return self._continue_live(trainer, outcome, dropped)
 
-    def _continue_live(self, trainer: pl.Trainer, handoff: LiveHandoff) -> str:
+    def _continue_live(self, trainer: pl.Trainer, handoff: LiveHandoff, dropped: list[str]) -> str:
         """Below MIN, wait for joiners with the state in memory; then the next fit takes the handoff live."""
         strategy = self._strategy
         waiting_since = time.perf_counter()
@@ -146,7 +160,7 @@ class ElasticFitLauncher(_Launcher):
             handoff.generation = newer
             switch_to_generation(newer, timeout=strategy.timeout)
             handoff.phase_started = time.perf_counter()
-        strategy.prepare_next_fit(handoff=handoff)
+        strategy.prepare_next_fit(handoff=handoff, dropped=dropped)
         return LIVE_CHECKPOINT
 
 
@@ -156,6 +170,8 @@ def _end_interrupted_fit(trainer: pl.Trainer, exc: BaseException) -> None:
     broken world, e.g. the background checkpoint group)."""
     from lightning.pytorch.trainer.call import _interrupt
 
+    # A checkpoint callback that saves on exception would start a collective save in the broken world.
+    treat_step_as_saved(trainer, trainer.global_step)
     _interrupt(trainer, exc)
     trainer._teardown()  # noqa: SLF001 - pinned by a test, as Lightning's own handler calls it
     trainer.state.stage = None
@@ -200,13 +216,3 @@ def switch_to_generation(generation: int, *, timeout: timedelta) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     form_generation_group(info, rank, backend, timeout)
-
-
-def drop_model(module: Any) -> None:
-    """Set every direct child of ``module`` to None: the next ``configure_model`` builds it for the new world (the
-    live state is held by the handoff), and nothing keeps the old world's process groups alive."""
-    import gc
-
-    for name, _ in list(module.named_children()):
-        setattr(module, name, None)
-    gc.collect()

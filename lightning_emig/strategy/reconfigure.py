@@ -19,19 +19,18 @@ child module to ``None`` first), and hold no other reference to old parameters.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lightning_emig.data.batching import BatchPlan
 from lightning_emig.layout import HybridLayout, build_mesh
-from lightning_emig.migration.engine import migrate
+from lightning_emig.migration.change import ChangeRecord, execute_change
 from lightning_emig.migration.planner import IdentityMap
 from lightning_emig.migration.state import allocate_optimizer_state, training_state
-from lightning_emig.migration.transfer import TransferOptions
-from lightning_emig.training.progress import show_migration
+from lightning_emig.strategy.progress import show_migration
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -60,6 +59,18 @@ class ReconfigureEvent:
     """Last step finished on the old world to first step finished on the new (membership changes only)."""
     steps_rolled_back: int | None = None
     """Steps done on the old world after the checkpoint a restart resumed from (recomputed on the new one)."""
+
+    @classmethod
+    def of(cls, change: ChangeRecord, *, generation: int | None = None, downtime_seconds: float | None = None
+           ) -> ReconfigureEvent:
+        """The event of ``change`` (steps rolled back are reported for failures only)."""
+        return cls(
+            kind=change.kind, step=change.step, old_layout=change.old_layout.as_dict(),
+            new_layout=change.new_layout.as_dict(), old_world=change.old_world, new_world=change.new_world,
+            bytes_moved=change.bytes_moved, bytes_copied_locally=change.bytes_copied_locally,
+            seconds=dict(change.seconds), generation=generation, downtime_seconds=downtime_seconds,
+            steps_rolled_back=change.steps_rolled_back if change.kind == "failure" else None,
+        )
 
     def as_dict(self) -> dict[str, Any]:
         optional = (("generation", self.generation), ("downtime_seconds", self.downtime_seconds),
@@ -96,8 +107,9 @@ def reconfigure_live(
     if new_layout == old_layout:
         return None
     show_migration(trainer, f"migrating: reconfigure to {new_layout.describe()}")
-    validate_layout_for_module(module, new_layout)
-    new_plan = BatchPlan(strategy.global_batch_size, strategy.micro_batch_size, new_layout.dp)
+    settings = strategy.elastic_settings
+    settings.validate_layout(new_layout)
+    new_plan = settings.plan_for(new_layout)
     timer.lap("validate")
 
     old_optimizer = strategy.optimizers[0]
@@ -106,7 +118,7 @@ def reconfigure_live(
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in old_optimizer.param_groups]
     schedulers = [cfg.scheduler.state_dict() for cfg in strategy.lr_scheduler_configs]
 
-    strategy._install_mesh(build_mesh(new_layout, strategy.root_device.type), new_plan)
+    strategy.install_mesh(build_mesh(new_layout, strategy.root_device.type), new_plan)
     timer.lap("mesh")
 
     _rebuild_model(strategy, module)
@@ -119,53 +131,50 @@ def reconfigure_live(
     new_state.update(allocate_optimizer_state(module, new_optimizer, optim_template))
     timer.lap("optimizers")
 
-    report = migrate(
-        old_state=old_state, new_state=new_state, old_layout=old_layout, new_layout=new_layout,
-        identity=IdentityMap.same_processes(strategy.world_size), pid=strategy.global_rank,
-        transfer=TransferOptions(bucket_bytes=strategy.bucket_bytes, checksum=strategy.checksum),
-        release_old=True,
+    record = execute_change(
+        kind="reconfigure", step=trainer.global_step, old_state=old_state, new_state=new_state, old_layout=old_layout,
+        new_layout=new_layout, identity=IdentityMap.same_processes(strategy.world_size), pid=strategy.global_rank,
+        transfer=settings.transfer,
     )
     del old_state, old_optimizer
     gc.collect()
     timer.lap("transfer")
 
     _restore_optimizer_settings(strategy, hyper, schedulers)
-    strategy._restart_data(trainer)
+    strategy.restart_data(trainer)
     timer.lap("restore")
-    return ReconfigureEvent(
-        kind="reconfigure", step=trainer.global_step, old_layout=old_layout.as_dict(),
-        new_layout=new_layout.as_dict(), old_world=strategy.world_size, new_world=strategy.world_size,
-        bytes_moved=report.stats.bytes_received, bytes_copied_locally=report.stats.bytes_copied,
-        seconds=timer.seconds,
-    )
+    return ReconfigureEvent.of(dataclasses.replace(record, seconds=timer.seconds))
 
 
-def validate_layout_for_module(module: Any, layout: HybridLayout) -> None:
-    """Refuse ``layout`` before anything moves, by what the module declares: its ``validate_layout(layout)`` raises
-    for a layout its model cannot be split by. A module that declares nothing is not checked (said once)."""
-    if layout.pp > 1:
-        raise NotImplementedError(f"pipeline parallelism (pp>1) is not yet supported; got {layout.describe()}")
-    validate = getattr(module, "validate_layout", None)
-    if callable(validate):
-        validate(layout)
-    elif type(module) not in _WARNED_UNVALIDATED:
-        _WARNED_UNVALIDATED.add(type(module))
-        log.warning("%s has no validate_layout(layout) method: layouts are not checked against its model (a tp that "
-                    "does not divide its heads fails later, inside configure_model)", type(module).__name__)
+def drop_model(module: Any) -> list[str]:
+    """Set every direct child of ``module`` that holds parameters or buffers to None (its ``configure_model`` builds
+    them for the new layout; a child without state, e.g. a loss module, stays). Returns the names dropped."""
+    dropped = [name for name, child in module.named_children()
+               if any(True for _ in child.parameters()) or any(True for _ in child.buffers())]
+    for name in dropped:
+        setattr(module, name, None)
+    gc.collect()
+    return dropped
 
 
-_WARNED_UNVALIDATED: set[type] = set()
+def check_rebuilt(module: Any, dropped: list[str]) -> None:
+    """After ``configure_model``: every dropped child was built again."""
+    missing = [name for name in dropped if getattr(module, name, None) is None]
+    if missing:
+        raise RuntimeError(
+            f"configure_model left {missing} as None after a change of layout: it must build every child that holds "
+            "parameters or buffers whenever it is None (the strategy drops them before a change)"
+        )
 
 
 def _rebuild_model(strategy: ElasticMigrationStrategy, module: Any) -> None:
-    for name, _ in list(module.named_children()):
-        setattr(module, name, None)
-    gc.collect()
+    dropped = drop_model(module)
     strategy.migrating = True
     try:
         module.configure_model()
     finally:
         strategy.migrating = False
+    check_rebuilt(module, dropped)
     if not any(True for _ in module.parameters()):
         raise RuntimeError(
             "configure_model built no parameters after the strategy reset the model: it must rebuild the model "

@@ -19,12 +19,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_emig.strategy.events import read_events
+from lightning_emig.strategy.resume import newest_checkpoint
 from lightning_emig.testing.commands import descendants, is_alive, kill_tree
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.join_downtime import PATHS, event_record, last_step
 from lightning_emig.testing.nodes import log_tail, start_node, wait_for
-from lightning_emig.training.events import read_events
-from lightning_emig.training.resume import newest_checkpoint
 
 EVENT = {"live": ("failure", 2, 1), "restart": ("restart", 2, 2)}
 """(kind, old world, new world) of the event each path records for the failure."""

@@ -69,16 +69,16 @@ def _wait_for_generation(what: str, newer_than: int, timeout_s: float, *, joiner
 
 def hold_live_migrations(until_generation: int, timeout_s: float = HOLD_TIMEOUT_S) -> None:
     """Make every live join of this process wait for generation ``until_generation`` (see the module docstring)."""
-    from lightning_emig.membership import handoff
+    from lightning_emig.strategy import live_join
 
-    migrate = handoff.migrate
+    execute_change = live_join.execute_change
 
-    def held_migrate(*args: Any, **kwargs: Any) -> Any:
+    def held_execute_change(*args: Any, **kwargs: Any) -> Any:
         if not _wait_for_generation("live migration", until_generation - 1, timeout_s, joiners=True):
             raise RuntimeError(f"test hold: generation {until_generation} never came")
-        return migrate(*args, **kwargs)
+        return execute_change(*args, **kwargs)
 
-    handoff.migrate = held_migrate
+    live_join.execute_change = held_execute_change
 
 
 _handed_to: list[int] = []
@@ -86,7 +86,7 @@ _handed_to: list[int] = []
 
 
 def record_drained_generation() -> None:
-    from lightning_emig.membership import callback
+    from lightning_emig.strategy import rendezvous as callback
 
     drain = callback.drain_leavers
 
@@ -108,7 +108,7 @@ def hold_exit_if_left(timeout_s: float = 60.0) -> None:
 def hold_steps_for_joiners(timeout_s: float = HOLD_TIMEOUT_S) -> None:
     """Rank 0's poll waits, once it sees a new generation, until that generation's joiners are ready."""
     from lightning_emig.launcher.generation import latest_generation
-    from lightning_emig.membership.callback import RendezvousCallback
+    from lightning_emig.strategy.rendezvous import RendezvousCallback
 
     newest_ready = RendezvousCallback._newest_ready  # noqa: SLF001 - the seam this hold pins
 
@@ -131,8 +131,8 @@ def hold_at_steps(steps: set[int], release_dir: str, timeout_s: float = HOLD_TIM
     """Rank 0 waits at each of ``steps`` until ``release_dir/release-<step>`` exists (see the module docstring)."""
     from pathlib import Path
 
-    from lightning_emig.membership.callback import RendezvousCallback
     from lightning_emig.strategy.boundary import _at_step_boundary
+    from lightning_emig.strategy.rendezvous import RendezvousCallback
 
     on_batch_end = RendezvousCallback.on_train_batch_end
 

@@ -23,11 +23,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_emig.strategy.events import read_events
+from lightning_emig.strategy.resume import newest_checkpoint
 from lightning_emig.testing.commands import kill_tree
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.nodes import log_tail, start_node, wait_for
-from lightning_emig.training.events import read_events
-from lightning_emig.training.resume import newest_checkpoint
 from lightning_emig.training.step_times import read_step_times
 
 PATHS: dict[str, dict[str, str]] = {"live": {}, "restart": {"LIGHTNING_EMIG_LIVE_MEMBERSHIP": "0"}}

@@ -21,15 +21,16 @@ from lightning_emig.data.loader import MicroBatchLoader
 from lightning_emig.data.sampler import GlobalOffsetSampler
 from lightning_emig.data.stream import MicroBatchStream
 from lightning_emig.layout import HybridLayout
-from lightning_emig.membership import HandoffAwareCheckpoint
 from lightning_emig.membership.failure import FailureSettings
 from lightning_emig.strategy import ElasticMigrationStrategy
+from lightning_emig.strategy.events import stable_run_id
+from lightning_emig.strategy.progress import StepProgressBar
+from lightning_emig.strategy.rendezvous import HandoffAwareCheckpoint
+from lightning_emig.strategy.resume import resolve_checkpoint
 from lightning_emig.strategy.schedule import LayoutSchedule
 from lightning_emig.training.csv_log import ContinuedCSVLogger
 from lightning_emig.training.module import LlamaLightningModule
 from lightning_emig.training.optim import OptimConfig
-from lightning_emig.training.progress import StepProgressBar
-from lightning_emig.training.resume import resolve_checkpoint
 from lightning_emig.training.step_times import StepTimeRecorder
 
 
@@ -164,7 +165,7 @@ def resolve_resume(cfg: TrainConfig, run_dir: Path) -> str | None:
     """``run.resume``: None, ``last`` (newest complete checkpoint of this run directory, if any) or a path.
 
     After torchrun restarted the workers (the restart path) None means ``last``: see
-    :func:`lightning_emig.training.resume.resolve_checkpoint`.
+    :func:`lightning_emig.strategy.resume.resolve_checkpoint`.
     """
     return resolve_checkpoint(cfg.run.resume, run_dir)
 
@@ -198,10 +199,3 @@ def _section_dict(section: Any) -> dict[str, Any]:
     from dataclasses import asdict
 
     return asdict(section)
-
-
-def stable_run_id(run_dir: Path) -> str:
-    """The wandb run id of a run directory: the same for every restart and generation of the job."""
-    import hashlib
-
-    return hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:12]

@@ -5,7 +5,7 @@
 processes, so it spans every generation and every restart of a job: downtime of any membership change is
 "last line of the old world" to "first line of the new one", whichever path the change took.
 
-After a restart-path resume (see :mod:`lightning_emig.training.resume`) it also records, at the first step on
+After a restart-path resume (see :mod:`lightning_emig.strategy.resume`) it also records, at the first step on
 the new world, one ``restart`` event in ``events.jsonl``: the checkpoint step, the steps rolled back (done on the
 old world after that checkpoint, recomputed now), old and new world and layout, the downtime and its phases
 (``stop_and_start``: last old step to this process's start; ``startup``: start to checkpoint load;
@@ -26,7 +26,7 @@ from typing_extensions import override
 
 from lightning_emig.strategy.boundary import _at_step_boundary
 from lightning_emig.strategy.reconfigure import ReconfigureEvent
-from lightning_emig.training.resume import process_start_wall, restart_reason
+from lightning_emig.strategy.resume import process_start_wall, restart_reason
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -38,7 +38,7 @@ STEP_TIMES_FILE = "step_times.jsonl"
 
 def read_step_times(run_dir: Path) -> list[dict[str, Any]]:
     """Every complete line of ``step_times.jsonl`` (a process killed mid-write leaves a partial last line)."""
-    from lightning_emig.training.jsonl import read_complete_lines
+    from lightning_emig.strategy.jsonl import read_complete_lines
 
     return read_complete_lines(run_dir / STEP_TIMES_FILE)
 

@@ -5,7 +5,7 @@ Invariants:
 * only global rank 0 publishes (the strategy checks before calling :func:`publish_event`);
 * ``<run_dir>/events.jsonl`` gets one JSON line per event, ``ReconfigureEvent.as_dict()`` plus ``time``
   (``time.time()`` when it was published) and ``run_id``: the wandb run id of the job
-  (:func:`~lightning_emig.training.builders.stable_run_id`), the same in every generation and restart, so the
+  (:func:`stable_run_id`), the same in every generation and restart, so the
   file outlives processes and joins with the wandb run;
 * each logger gets the event's numbers as metrics at the event's step, named ``event/<field>`` and
   ``event/seconds/<phase>``; a :class:`~lightning.pytorch.loggers.WandbLogger` also gets ``event/kind`` and an
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.loggers import Logger, WandbLogger
 
 from lightning_emig.layout import HybridLayout
+from lightning_emig.strategy.jsonl import read_complete_lines
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -51,7 +52,7 @@ TABLE_COLUMNS = (
 def publish_event(trainer: pl.Trainer, event: ReconfigureEvent) -> dict[str, Any]:
     """Rank 0: write ``event`` to the console, ``events.jsonl`` and the Trainer's loggers; return its record."""
     run_dir = Path(trainer.default_root_dir)
-    record = {**event.as_dict(), "time": time.time(), "run_id": _run_id(run_dir)}
+    record = {**event.as_dict(), "time": time.time(), "run_id": stable_run_id(run_dir)}
     log.warning("%s", summary_line(record))
     try:
         append_event(run_dir, record)
@@ -90,8 +91,6 @@ def append_event(run_dir: Path, record: dict[str, Any]) -> None:
 
 def read_events(run_dir: Path) -> list[dict[str, Any]]:
     """Every complete line of ``events.jsonl`` (a process killed mid-write leaves a partial last line)."""
-    from lightning_emig.training.jsonl import read_complete_lines
-
     return read_complete_lines(run_dir / EVENTS_FILE)
 
 
@@ -127,8 +126,8 @@ def _table_row(record: dict[str, Any]) -> list[Any]:
     return row
 
 
-def _run_id(run_dir: Path) -> str:
-    # Imported here: the builders import the strategy, which publishes its events through this module.
-    from lightning_emig.training.builders import stable_run_id
+def stable_run_id(run_dir: Path) -> str:
+    """The wandb run id of a run directory: the same for every restart and generation of the job."""
+    import hashlib
 
-    return stable_run_id(run_dir)
+    return hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:12]

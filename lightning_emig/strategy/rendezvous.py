@@ -33,7 +33,6 @@ import lightning
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.trainer import call
 from typing_extensions import override
 
 from lightning_emig.launcher.generation import control_client_from_env, latest_generation, read_generation
@@ -42,7 +41,7 @@ from lightning_emig.membership.handoff import LiveHandoff
 from lightning_emig.membership.preempt import drain_leavers, leaving_nodes
 from lightning_emig.migration.state import training_state
 from lightning_emig.strategy.boundary import _at_step_boundary
-from lightning_emig.training.progress import show_migration
+from lightning_emig.strategy.progress import show_migration
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -200,8 +199,10 @@ def capture_handoff(trainer: pl.Trainer, *, new_generation: int, last_step_wall:
         "epoch": trainer.current_epoch,
         "global_step": trainer.global_step,
         "pytorch-lightning_version": lightning.__version__,
-        "loops": trainer._checkpoint_connector._get_loops_state_dict(),  # noqa: SLF001 - what dump_checkpoint saves
-        "callbacks": call._call_callbacks_state_dict(trainer),  # noqa: SLF001
+        # What a Lightning checkpoint saves of loops and callbacks, through their public state_dict()s.
+        "loops": {name: getattr(trainer, name).state_dict()
+                  for name in ("fit_loop", "validate_loop", "test_loop", "predict_loop")},
+        "callbacks": {cb.state_key: state for cb in trainer.callbacks if (state := cb.state_dict())},
         "lr_schedulers": [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs],
         "optimizer_hyper": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
         "lightning_emig": {"layout": strategy.layout.as_dict(), "world_size": strategy.world_size},

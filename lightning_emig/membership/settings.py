@@ -1,0 +1,116 @@
+"""What every change of world or layout needs to know, as one small object (the strategy hands it down).
+
+The membership layer depends on this, never on the concrete strategy: :class:`ElasticSettings` holds the requested
+layout, the batch sizes, the transfer options and the module's own layout check. Its
+:meth:`~ElasticSettings.layout_for_world` is the one place that decides the layout of a new world, for a start, a
+restart, a join, a drain and a rebuild alike, and it checks the layout against the model and the global batch *before*
+any state moves (an impossible world fails loudly with the state still where it was).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from lightning_emig.data.batching import BatchPlan
+from lightning_emig.layout import HybridLayout
+from lightning_emig.migration.transfer import TransferOptions
+
+if TYPE_CHECKING:
+    from datetime import timedelta
+
+    import torch
+
+    from lightning_emig.membership.failure import FailureSettings
+    from lightning_emig.membership.handoff import LiveHandoff
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ElasticSettings:
+    requested_layout: HybridLayout
+    """The layout asked for; ``-1`` in one degree fills the rest of each world."""
+    global_batch_size: int
+    micro_batch_size: int
+    transfer: TransferOptions
+    validate_layout: Callable[[HybridLayout], None]
+    """Raises for a layout the model cannot be split by (see :func:`validate_layout_for_module`)."""
+
+    def layout_for_world(self, world_size: int) -> tuple[HybridLayout, BatchPlan]:
+        """The layout for ``world_size`` processes and its batch plan, both checked; raises before anything moves."""
+        layout = layout_for_new_world(self.requested_layout, world_size)
+        self.validate_layout(layout)
+        plan = BatchPlan(global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size,
+                         dp_degree=layout.dp)
+        return layout, plan
+
+    def plan_for(self, layout: HybridLayout) -> BatchPlan:
+        return BatchPlan(global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size,
+                         dp_degree=layout.dp)
+
+
+class ElasticWorker(Protocol):
+    """What the membership layer reads of a training process (``ElasticMigrationStrategy`` is one): its place in the
+    current generation, its last consistent state, and the settings of every change."""
+
+    generation: int
+    last_boundary: LiveHandoff | None
+    failure_settings: FailureSettings
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def layout(self) -> HybridLayout: ...
+
+    @property
+    def timeout(self) -> timedelta: ...
+
+    @property
+    def elastic_settings(self) -> ElasticSettings: ...
+
+    @property
+    def process_group_backend(self) -> str | None: ...
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+    def release_process_groups(self) -> None:
+        """Drop every reference to the current world's process groups (mesh, optimizers)."""
+
+
+def layout_for_new_world(requested: HybridLayout, world_size: int) -> HybridLayout:
+    """The largest valid layout by a simple rule (until the picker lands), resolved for ``world_size``.
+
+    Keep the requested ``tp``, ``pp`` and ``dp_replicate`` when their product divides the new world and let
+    ``dp_shard`` fill the rest; otherwise fall back to pure FSDP over the whole world.
+    """
+    fixed = requested.tp * requested.pp * requested.dp_replicate
+    if all(d > 0 for d in (requested.tp, requested.pp, requested.dp_replicate)) and world_size % fixed == 0:
+        return HybridLayout(
+            dp_replicate=requested.dp_replicate, dp_shard=-1, tp=requested.tp, pp=requested.pp
+        ).resolve(world_size)
+    return HybridLayout(dp_shard=-1).resolve(world_size)
+
+
+def validate_layout_for_module(module: Any, layout: HybridLayout) -> None:
+    """Refuse ``layout`` by what the module declares: its ``validate_layout(layout)`` raises for a layout its model
+    cannot be split by. A module that declares nothing is not checked (said once per class)."""
+    if layout.pp > 1:
+        raise NotImplementedError(f"pipeline parallelism (pp>1) is not yet supported; got {layout.describe()}")
+    validate = getattr(module, "validate_layout", None)
+    if callable(validate):
+        validate(layout)
+    elif type(module) not in _WARNED_UNVALIDATED:
+        _WARNED_UNVALIDATED.add(type(module))
+        log.warning("%s has no validate_layout(layout) method: layouts are not checked against its model (a tp that "
+                    "does not divide its heads fails later, inside configure_model)", type(module).__name__)
+
+
+_WARNED_UNVALIDATED: set[type] = set()

@@ -1,0 +1,106 @@
+"""One change of (world, layout), whatever caused it: the single executor and its typed record.
+
+A live layout change on the same processes, a join, the drain of nodes leaving with notice and the rebuild after an
+abrupt failure differ only in who holds what before and after (the :class:`IdentityMap`) and in where the new shards
+live (a freshly built model's tensors, or plain buffers laid out for a world whose model is not built yet). Each of
+them calls :func:`execute_change` with those, on every process of the group that spans the old and the new world:
+
+1. :func:`~lightning_emig.migration.engine.migrate` moves the state (minimal bytes; local copies free; every process
+   learns of a failure anywhere before anyone continues);
+2. one tiny all-gather adds up the bytes every process received and copied locally;
+3. the result is a :class:`ChangeRecord`: kind, step, old and new world and layout, bytes, seconds per phase, steps
+   rolled back, the nodes that left or died. It is what the event reports and what a handoff carries into the next
+   fit when the state moved before it (no dict between modules).
+
+:func:`allocate_shards` gives the plain buffers for a rank's new shards from the geometry alone (no mesh, no model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from lightning_emig.layout import HybridLayout
+from lightning_emig.migration.engine import migrate
+from lightning_emig.migration.planner import IdentityMap
+from lightning_emig.migration.state import StateTensor
+from lightning_emig.migration.transfer import TransferOptions
+
+ChangeKind = Literal["reconfigure", "join", "preempt", "failure"]
+
+
+@dataclass(frozen=True, slots=True)
+class ChangeRecord:
+    """What one change did (the same on every process of the new world)."""
+
+    kind: ChangeKind
+    step: int
+    """The optimizer step training resumes at."""
+    old_layout: HybridLayout
+    new_layout: HybridLayout
+    old_world: int
+    new_world: int
+    bytes_moved: int = 0
+    """Bytes received over the wire, summed over every process."""
+    bytes_copied_locally: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+    steps_rolled_back: int = 0
+    nodes: tuple[str, ...] = ()
+    """The nodes that left (``preempt``) or died (``failure``)."""
+
+    def then(self, later: ChangeRecord) -> ChangeRecord:
+        """This change followed by ``later`` (e.g. a drain, then the local re-layout in the next fit) as one change:
+        from this one's old world to ``later``'s new one, bytes and seconds added up."""
+        return dataclasses.replace(
+            self, step=later.step, new_layout=later.new_layout, new_world=later.new_world,
+            bytes_moved=self.bytes_moved + later.bytes_moved,
+            bytes_copied_locally=self.bytes_copied_locally + later.bytes_copied_locally,
+            seconds={**self.seconds, **{k: self.seconds.get(k, 0.0) + v for k, v in later.seconds.items()}},
+        )
+
+
+def execute_change(
+    *,
+    kind: ChangeKind,
+    step: int,
+    old_state: dict[str, StateTensor] | None,
+    new_state: dict[str, StateTensor] | None,
+    old_layout: HybridLayout,
+    new_layout: HybridLayout,
+    identity: IdentityMap,
+    pid: int,
+    transfer: TransferOptions,
+    release_old: bool = True,
+    group: dist.ProcessGroup | None = None,
+) -> ChangeRecord:
+    """Move ``old_state`` into ``new_state`` (see :func:`~lightning_emig.migration.engine.migrate` for the roles: a
+    joiner has no old state, a leaver no new state) and return the change's record, on every process of ``group``."""
+    started = time.perf_counter()
+    report = migrate(
+        old_state=old_state, new_state=new_state, old_layout=old_layout, new_layout=new_layout, identity=identity,
+        pid=pid, group=group, transfer=transfer, release_old=release_old,
+    )
+    counted: list[tuple[int, int] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(counted, (report.stats.bytes_received, report.stats.bytes_copied), group=group)
+    return ChangeRecord(
+        kind=kind, step=step, old_layout=old_layout, new_layout=new_layout, old_world=identity.old_world,
+        new_world=identity.new_world, bytes_moved=sum(c[0] for c in counted if c is not None),
+        bytes_copied_locally=sum(c[1] for c in counted if c is not None),
+        seconds={"transfer": time.perf_counter() - started},
+    )
+
+
+def allocate_shards(like: dict[str, StateTensor], layout: HybridLayout, rank: int) -> dict[str, StateTensor]:
+    """Plain local buffers for ``rank``'s shards of every tensor of ``like`` under ``layout`` (no mesh needed)."""
+    out = {}
+    for key, tensor in like.items():
+        holding = tensor.spec.on(layout).holding_of_rank(rank)
+        shape = holding.local_shape if holding is not None else (0,)
+        out[key] = StateTensor(key, tensor.spec, torch.empty(shape, dtype=tensor.spec.dtype,
+                                                             device=tensor.local.device))
+    return out
