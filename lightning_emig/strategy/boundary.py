@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
-def _at_step_boundary(trainer: pl.Trainer) -> bool:
+def at_step_boundary(trainer: pl.Trainer) -> bool:
     """True inside ``on_train_batch_end`` of a batch whose optimizer step has run (or before the first batch)."""
     progress = trainer.fit_loop.epoch_loop.batch_progress.current
     batch_done = progress.processed == progress.ready
@@ -58,7 +58,7 @@ class StepBoundaryHook(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         strategy: Any = trainer.strategy
-        if getattr(strategy, "_pending_layout", None) is not None and _at_step_boundary(trainer):
+        if getattr(strategy, "_pending_layout", None) is not None and at_step_boundary(trainer):
             strategy.apply_pending_reconfigure(trainer)
 
 

@@ -54,7 +54,7 @@ from lightning_emig.migration.transfer import DEFAULT_BUCKET_BYTES, TransferOpti
 from lightning_emig.strategy.async_checkpoint import AsyncCheckpointWriter
 from lightning_emig.strategy.boundary import (
     StepBoundaryHook,
-    _at_step_boundary,
+    at_step_boundary,
     rescale_batch_progress,
     restart_training_iterator,
 )
@@ -321,7 +321,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         if trainer is None or not trainer.training:
             raise RuntimeError("reconfigure(layout) works during Trainer.fit; change the layout argument instead")
         self._pending_layout = layout
-        if _at_step_boundary(trainer):
+        if at_step_boundary(trainer):
             self.apply_pending_reconfigure(trainer)
 
     def apply_pending_reconfigure(self, trainer: pl.Trainer) -> None:

@@ -40,7 +40,7 @@ from lightning_emig.membership.group import joiners_ready, under_launcher
 from lightning_emig.membership.handoff import LiveHandoff
 from lightning_emig.membership.preempt import drain_leavers, leaving_nodes
 from lightning_emig.migration.state import training_state
-from lightning_emig.strategy.boundary import _at_step_boundary
+from lightning_emig.strategy.boundary import at_step_boundary
 from lightning_emig.strategy.progress import show_migration
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ class RendezvousCallback(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self.enabled or not _at_step_boundary(trainer):
+        if not self.enabled or not at_step_boundary(trainer):
             return
         strategy: Any = trainer.strategy
         strategy.finish_join_event(trainer)

@@ -131,14 +131,14 @@ def hold_at_steps(steps: set[int], release_dir: str, timeout_s: float = HOLD_TIM
     """Rank 0 waits at each of ``steps`` until ``release_dir/release-<step>`` exists (see the module docstring)."""
     from pathlib import Path
 
-    from lightning_emig.strategy.boundary import _at_step_boundary
+    from lightning_emig.strategy.boundary import at_step_boundary
     from lightning_emig.strategy.rendezvous import RendezvousCallback
 
     on_batch_end = RendezvousCallback.on_train_batch_end
 
     def held_on_batch_end(self: Any, trainer: Any, *args: Any, **kwargs: Any) -> None:
         step = trainer.global_step
-        if trainer.global_rank == 0 and step in steps and _at_step_boundary(trainer):
+        if trainer.global_rank == 0 and step in steps and at_step_boundary(trainer):
             steps.discard(step)
             release = Path(release_dir) / f"release-{step}"
             log.warning("test hold: step %d waits for %s", step, release)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_emig.strategy.boundary import _at_step_boundary
+from lightning_emig.strategy.boundary import at_step_boundary
 from lightning_emig.strategy.reconfigure import ReconfigureEvent
 from lightning_emig.strategy.resume import process_start_wall, restart_reason
 
@@ -74,7 +74,7 @@ class StepTimeRecorder(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.global_rank != 0 or not _at_step_boundary(trainer):
+        if trainer.global_rank != 0 or not at_step_boundary(trainer):
             return
         now = time.time()
         strategy: Any = trainer.strategy
