@@ -72,3 +72,12 @@ def test_a_change_drops_only_the_children_that_hold_state() -> None:
     assert module.model is None and isinstance(module.criterion, nn.CrossEntropyLoss)
     with pytest.raises(RuntimeError, match=r"left \['model', 'stats'\] as None"):
         check_rebuilt(module, ["model", "stats"])
+
+
+def test_only_the_first_fit_of_a_restarted_process_is_a_restart(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A worker torchrun restarted keeps TORCHELASTIC_RESTART_COUNT > 0 for life; its later live fits are no restarts.
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    strategy = ElasticMigrationStrategy(global_batch_size=4, micro_batch_size=2)
+    assert strategy.start_reason is not None and "restart #1" in strategy.start_reason
+    strategy.prepare_next_fit()
+    assert strategy.start_reason is None

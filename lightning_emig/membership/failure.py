@@ -132,7 +132,8 @@ def recover_from_failure(
     info = read_generation(client, generation)
     step, consistent = _consistent_step(stash)
     client.set(report_key(generation, rank), json.dumps(
-        {"node_id": node_id, "local_rank": local_rank, "step": step, "consistent": consistent}))
+        {"node_id": node_id, "local_rank": local_rank, "step": step, "consistent": consistent,
+         "reached": strategy.reached_step}))
     # A survivor blocked on another survivor may only fail at its own collective timeout: wait at least that long.
     patience = max(settings.failure_timeout_s,
                    strategy.timeout.total_seconds() + settings.heartbeat_timeout_s + 10.0)
@@ -159,7 +160,8 @@ def recover_from_failure(
     # Decided, and checked against the model and the global batch, before anything moves.
     new_layout, _ = strategy.elastic_settings.layout_for_world(new_world)
     steps = {reports[r]["step"] for r in survivors}
-    furthest = max(steps)
+    # A survivor without a consistent state (it failed inside a step or a migration) still knows how far it got.
+    furthest = max(max(steps), *(reports[r].get("reached", -1) for r in survivors))
     seconds = {"detect": detect, "agree": agree}
     last_wall = stash.last_step_wall if stash is not None else time.time()
     rollback = Rollback(generation=new_generation, from_step=furthest, reason="", dead_nodes=decision["dead_nodes"],

@@ -81,6 +81,10 @@ class ElasticWorker(Protocol):
     @property
     def root_device(self) -> torch.device: ...
 
+    @property
+    def reached_step(self) -> int:
+        """Optimizer steps completed so far (-1 before training started)."""
+
     def release_process_groups(self) -> None:
         """Drop every reference to the current world's process groups (mesh, optimizers)."""
 

@@ -148,6 +148,9 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         self.generation = _start_generation()
         """The launcher generation this fit runs in (0 outside ``lightning-emig-run``)."""
         self.left_job = False
+        self.start_reason = restart_reason()
+        """Why this process's first fit is a restart of a running job (None: a first start, a live join); the later
+        fits of one ``trainer.fit`` call are live changes, never restarts, whatever torchrun's environment says."""
         """This process's node was preempted and handed its state over: it is no longer part of the job."""
         self._accumulation_written: int | None = None
         self._dropped_children: list[str] = []
@@ -175,6 +178,12 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             self.lightning_module._device_mesh = None  # noqa: SLF001 - as ModelParallelStrategy sets it
         self.optimizers = []
         self.lr_scheduler_configs = []
+
+    @property
+    def reached_step(self) -> int:
+        """The optimizer steps this process's trainer has completed (-1 before it has one)."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return trainer.global_step if trainer is not None else -1
 
     @property
     def has_layout(self) -> bool:
@@ -229,6 +238,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         checkpoint after ``rollback`` (its process group is formed either way); ``dropped`` are the module's
         children its ``configure_model`` must build again."""
         self.release_process_groups()  # the old world's mesh and optimizers: the next fit builds its own
+        self.start_reason = None
         self._dropped_children = list(dropped or [])
         self._incoming_handoff = handoff
         self._rollback = rollback
@@ -258,7 +268,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         # Skip ModelParallelStrategy's 2-D mesh: ours is built from the layout.
         self._setup_distributed()
         settings = self.elastic_settings
-        if self.live_join or restart_reason() is not None or self._rollback is not None:
+        if self.live_join or self.start_reason is not None or self._rollback is not None:
             # A world this job did not start with (joined, restarted, rolled back): the rule of every change decides.
             layout, plan = settings.layout_for_world(self.world_size)
         else:  # the first start: the layout asked for, or a loud error if it does not fit this world
@@ -451,7 +461,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         saved = checkpoint.get(CHECKPOINT_KEY, {})
         old_layout = HybridLayout(**saved["layout"]) if saved else self.layout
         old_world = int(saved.get("world_size", self.world_size))
-        reason = None if self._rollback is not None else restart_reason()
+        reason = None if self._rollback is not None else self.start_reason
         step = int(checkpoint.get("global_step", 0))
         # Saved under the old world's gradient accumulation; Lightning steps on this world's.
         old_plan = BatchPlan(global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size,

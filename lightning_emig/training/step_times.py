@@ -26,7 +26,7 @@ from typing_extensions import override
 
 from lightning_emig.strategy.boundary import at_step_boundary
 from lightning_emig.strategy.reconfigure import ReconfigureEvent
-from lightning_emig.strategy.resume import process_start_wall, restart_reason
+from lightning_emig.strategy.resume import process_start_wall
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -56,7 +56,7 @@ class StepTimeRecorder(Callback):
             records = read_step_times(self.run_dir)
             self._previous = records[-1] if records else None
             strategy: Any = trainer.strategy
-            reason = restart_reason()
+            reason = getattr(strategy, "start_reason", None)  # a restart only for the first fit of a process
             if reason is not None and getattr(strategy, "resumed_from", "n/a") is None and self._previous is not None:
                 # Restarted, but no complete checkpoint to resume from (e.g. the newest was still being written
                 # when the workers were stopped): the job starts over, and that is a restart event too.
