@@ -60,8 +60,16 @@ class ChangeRecord:
             self, step=later.step, new_layout=later.new_layout, new_world=later.new_world,
             bytes_moved=self.bytes_moved + later.bytes_moved,
             bytes_copied_locally=self.bytes_copied_locally + later.bytes_copied_locally,
-            seconds={**self.seconds, **{k: self.seconds.get(k, 0.0) + v for k, v in later.seconds.items()}},
+            seconds=_added(later.seconds, self.seconds),
         )
+
+
+def _added(first: dict[str, float], more: dict[str, float]) -> dict[str, float]:
+    """``first`` with ``more``'s seconds added phase by phase (``first``'s order: the order the phases ran)."""
+    total = dict(first)
+    for phase, seconds in more.items():
+        total[phase] = total.get(phase, 0.0) + seconds
+    return total
 
 
 def execute_change(
