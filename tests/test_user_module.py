@@ -158,3 +158,14 @@ def test_the_record_of_produced_micro_batches_never_outgrows_a_step() -> None:
             next(batches)
         stream.commit_step()
     assert stream.take_produced() is None
+
+
+def test_random_sampler_keeps_its_num_samples_where_adopt_reads_it() -> None:
+    # adopt_dataloader refuses RandomSampler(num_samples=...) by this private attribute (no public one in torch 2.13).
+    from torch.utils.data import RandomSampler
+
+    assert RandomSampler(range(4))._num_samples is None
+    assert RandomSampler(range(4), num_samples=2)._num_samples == 2
+    with pytest.raises(DataLoaderNotElasticError, match="RandomSampler"):
+        adopt_dataloader(DataLoader(DATASET, batch_size=2, sampler=RandomSampler(DATASET, num_samples=8)),
+                         global_batch_size=8, micro_batch_size=2, seed=0)
