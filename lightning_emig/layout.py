@@ -18,7 +18,8 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -166,7 +167,8 @@ class LayoutMesh:
         return self.dp.get_local_rank()
 
 
-def build_mesh(layout: HybridLayout, device_type: str, ranks: Sequence[int] | None = None) -> LayoutMesh:
+def build_mesh(layout: HybridLayout, device_type: str, ranks: Sequence[int] | None = None, *,
+               timeout: timedelta | None = None) -> LayoutMesh:
     """Build the 4-axis DeviceMesh (and its flattened ``dp`` axis) for a resolved layout.
 
     Args:
@@ -179,20 +181,44 @@ def build_mesh(layout: HybridLayout, device_type: str, ranks: Sequence[int] | No
             default group: *every* process of the default group must call this, in the same order and with the
             same arguments, members or not. A non-member gets a :class:`LayoutMesh` whose
             ``root.get_coordinate()`` is ``None`` and whose ``dp`` is ``None``; it must not build a model on it.
+        timeout: Timeout of every sub-group the mesh creates (FSDP2, HSDP and TP collectives run on them). Without
+            it torch gives a sub-group its 30-minute default, not the default group's: a dead peer would block a
+            survivor inside an all-gather for half an hour.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
     layout.require_resolved()
     names = tuple(axis.value for axis in MESH_AXIS_ORDER)
+    bounded = _bounded_groups(device_type, timeout)
     if ranks is not None:
-        return _build_mesh_over(layout, device_type, [int(r) for r in ranks], names)
-    root = init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=names)
+        return _build_mesh_over(layout, device_type, [int(r) for r in ranks], names, bounded)
+    root = init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=names,
+                            backend_override=dict.fromkeys(range(len(names)), bounded) if bounded else None)
     # torch 2.13 has no public way to flatten mesh axes (torchtitan uses the same call).
-    dp = root[(MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value)]._flatten(MeshAxis.DP.value)  # noqa: SLF001
+    dp = root[(MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value)]._flatten(  # noqa: SLF001
+        MeshAxis.DP.value, backend_override=bounded)
     return LayoutMesh(layout=layout, root=root, dp=dp)
 
 
-def _build_mesh_over(layout: HybridLayout, device_type: str, ranks: list[int], names: tuple[str, ...]) -> LayoutMesh:
+def _bounded_groups(device_type: str, timeout: timedelta | None) -> tuple[str, Any] | None:
+    """``(backend, options)`` that give a mesh's sub-groups ``timeout`` (torch's ``backend_override`` form).
+
+    torch 2.13 reads a sub-group's timeout from its options' private ``_timeout`` (``DeviceMesh`` itself does);
+    pinned by ``tests/test_layout.py``."""
+    if timeout is None:
+        return None
+    import torch.distributed as dist
+
+    if device_type == "cuda":
+        backend, options = "nccl", dist.ProcessGroupNCCL.Options()
+    else:
+        backend, options = "gloo", dist.ProcessGroupGloo._Options()  # noqa: SLF001 - no public constructor
+    options._timeout = timeout  # noqa: SLF001
+    return backend, options
+
+
+def _build_mesh_over(layout: HybridLayout, device_type: str, ranks: list[int], names: tuple[str, ...],
+                     bounded: tuple[str, Any] | None) -> LayoutMesh:
     """The mesh over a subset of the default group.
 
     A non-member cannot slice a mesh (torch needs the local rank in the slice), so it cannot ``_flatten`` the
@@ -218,9 +244,11 @@ def _build_mesh_over(layout: HybridLayout, device_type: str, ranks: list[int], n
     if any(not 0 <= r < world for r in ranks):
         raise LayoutError(f"mesh ranks {ranks} are not all ranks of the default group (size {world})")
     grid = torch.tensor(ranks, dtype=torch.int64).reshape(layout.mesh_shape)
-    root = DeviceMesh(device_type, grid, mesh_dim_names=names)
+    root = DeviceMesh(device_type, grid, mesh_dim_names=names,
+                      backend_override=(bounded,) * len(names) if bounded else None)
     pp, dp_replicate, dp_shard, tp = layout.mesh_shape
     dp_grid = grid.permute(0, 3, 1, 2).reshape(pp * tp, dp_replicate * dp_shard)
-    dp_root = DeviceMesh(device_type, dp_grid, mesh_dim_names=("pp_tp", MeshAxis.DP.value))
+    dp_root = DeviceMesh(device_type, dp_grid, mesh_dim_names=("pp_tp", MeshAxis.DP.value),
+                         backend_override=(bounded,) * 2 if bounded else None)
     member = dist.get_rank() in ranks
     return LayoutMesh(layout=layout, root=root, dp=dp_root[MeshAxis.DP.value] if member else None)

@@ -83,3 +83,32 @@ def test_unresolved_layout_refuses_derived_sizes() -> None:
 def test_axis_order_puts_tensor_parallel_innermost() -> None:
     assert MESH_AXIS_ORDER[-1] is MeshAxis.TP
     assert HybridLayout(tp=2, dp_shard=2).degree(MeshAxis.DP) == 2
+
+
+def _group_timeouts(rank: int, world: int) -> dict[str, float]:
+    from datetime import timedelta
+
+    import torch
+
+    from lightning_emig.layout import build_mesh
+
+    def seconds(group: object) -> float:
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()  # type: ignore[attr-defined]
+
+    mesh = build_mesh(HybridLayout(dp_replicate=1, dp_shard=-1, tp=2).resolve(world), "cpu",
+                      timeout=timedelta(seconds=17))
+    over = build_mesh(HybridLayout(dp_shard=-1).resolve(world), "cpu", ranks=list(range(world)),
+                      timeout=timedelta(seconds=19))
+    out = {axis.value: seconds(mesh[axis].get_group()) for axis in MESH_AXIS_ORDER}
+    out["dp"] = seconds(mesh.dp.get_group())
+    out["over_dp"] = seconds(over.dp.get_group())
+    return out
+
+
+@pytest.mark.multiprocess
+def test_every_mesh_group_honours_the_configured_timeout() -> None:
+    # torch gives a mesh's sub-groups its 30-minute default unless told: a survivor would wait that long on a dead peer.
+    from lightning_emig.testing.distributed import run_distributed
+
+    timeouts = run_distributed(_group_timeouts, 4, timeout_s=120)[0]
+    assert timeouts == {**dict.fromkeys([a.value for a in MESH_AXIS_ORDER], 17.0), "dp": 17.0, "over_dp": 19.0}

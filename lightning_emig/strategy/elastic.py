@@ -276,7 +276,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             settings.validate_layout(layout)
             plan = settings.plan_for(layout)
         self.migrating = self.live_join  # configure_model must not initialise: the join overwrites every tensor
-        self.install_mesh(build_mesh(layout, self.root_device.type), plan)
+        self.install_mesh(build_mesh(layout, self.root_device.type, timeout=self.timeout), plan)
         if self._rollback is not None and self._rollback.checkpoint is None:
             self._note_rollback(step=0, load_seconds=0.0)  # no checkpoint: the fit starts over from step 0
 

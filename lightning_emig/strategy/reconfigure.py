@@ -118,7 +118,7 @@ def reconfigure_live(
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in old_optimizer.param_groups]
     schedulers = [cfg.scheduler.state_dict() for cfg in strategy.lr_scheduler_configs]
 
-    strategy.install_mesh(build_mesh(new_layout, strategy.root_device.type), new_plan)
+    strategy.install_mesh(build_mesh(new_layout, strategy.root_device.type, timeout=strategy.timeout), new_plan)
     timer.lap("mesh")
 
     _rebuild_model(strategy, module)
