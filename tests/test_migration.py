@@ -525,6 +525,10 @@ def _failures_worker(rank: int, world: int, backend: str) -> dict[str, Any]:
     error, _, new_model, new_optimizer = attempt(TransferOptions(bucket_bytes=SMALL_BUCKET, checksum=True))
     out["clean_error"] = error
     out["clean_equal"] = _states_equal(before, full_training_state(new_model, new_optimizer))
+    # Process 1 asks for another bucket size: gloo would abort on mismatched messages; every process refuses first.
+    bucket = SMALL_BUCKET * 2 if rank == 1 else SMALL_BUCKET
+    out["disagree_error"], out["disagree_message"], _, _ = attempt(TransferOptions(bucket_bytes=bucket, checksum=True))
+    out["disagree_old_intact"] = _states_equal(before, full_training_state(model, optimizer))
     out.update(_lost_state(rank, backend, model, optimizer, old_mesh, template))
     out["lost_old_intact"] = _states_equal(before, full_training_state(model, optimizer))
     return out
@@ -579,6 +583,14 @@ def test_corrupt_byte_in_transit_fails_every_process(backend: str) -> None:
         assert r["clean_rounds"] > 1
     assert "checksum mismatch in round 1 from process 0" in results[victim]["message"]
     assert "not accepted" in results[(victim + 1) % 4]["message"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_processes_that_disagree_on_transfer_options_all_refuse_before_any_byte_moves(backend: str) -> None:
+    results = _results("failures", backend)
+    assert [r["disagree_error"] for r in results] == ["MigrationFailedError"] * 4, [r["disagree_message"] for r in results]
+    assert all("disagree on the transfer options" in r["disagree_message"] for r in results)
+    assert all(r["disagree_old_intact"] is None for r in results)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -8,7 +8,8 @@
 2. plan locally (no communication: every process derives the same plan);
 3. agree on the plan: one tiny all-gather of each process's peer count (the pair bucket size needs both ends'),
    where a process whose planning failed (e.g. state that no live process holds) sends -1, so every process
-   stops before any transfer instead of waiting for a peer that will never post its operations;
+   stops before any transfer instead of waiting for a peer that will never post its operations; the same
+   all-gather checks that every process uses the same transfer options (else every process refuses);
 4. transfer: local copies, then bucketed point-to-point rounds; old storage is released as it leaves;
 5. agree on success: one all-reduce of an error flag, so a checksum mismatch on any process fails every
    process and no process continues on state that another rejected.
@@ -61,14 +62,24 @@ def _broadcast_specs(
 
 
 def _peer_counts(
-    plan: RankPlan | None, identity: IdentityMap, group: dist.ProcessGroup | None
+    plan: RankPlan | None, identity: IdentityMap, group: dist.ProcessGroup | None, options: TransferOptions
 ) -> dict[int, int] | None:
     """Every process's number of peers (one tiny all-gather): both ends of a pair need the same bucket size.
 
-    ``plan`` is None where planning failed; then every process gets None and must not start the transfer.
+    ``plan`` is None where planning failed; then every process gets None and must not start the transfer. The same
+    all-gather carries each process's transfer options: processes that disagree (another bucket size, checksums on
+    one side) would post mismatched messages, so every process refuses before the first byte moves.
     """
-    counts = [0] * len(identity.pids)
-    dist.all_gather_object(counts, -1 if plan is None else len(plan.peers), group=group)
+    gathered: list[tuple[int, tuple[int, bool, int]] | None] = [None] * len(identity.pids)
+    mine = (options.bucket_bytes, options.checksum, options.in_place_min_bytes)
+    dist.all_gather_object(gathered, (-1 if plan is None else len(plan.peers), mine), group=group)
+    agreed = {g[1] for g in gathered if g is not None}
+    if len(agreed) > 1:
+        raise MigrationFailedError(
+            f"processes disagree on the transfer options (bucket_bytes, checksum, in_place_min_bytes): "
+            f"{sorted(agreed)}; every process must use the same (no state was transferred or released)"
+        )
+    counts = [g[0] if g is not None else -1 for g in gathered]
     if any(c < 0 for c in counts):
         return None
     return dict(zip(identity.pids, counts, strict=True))
@@ -126,15 +137,16 @@ def migrate(
     seconds["agree"] = time.perf_counter() - start
 
     start = time.perf_counter()
+    options = transfer or TransferOptions()
     try:
         plan = plan_for_rank(tensors, identity, pid, planning or PlanOptions())
     except Exception:  # the others must learn about it before anyone posts a transfer
-        _peer_counts(None, identity, group)
+        _peer_counts(None, identity, group, options)
         raise
     seconds["plan"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    peer_counts = _peer_counts(plan, identity, group)
+    peer_counts = _peer_counts(plan, identity, group, options)
     if peer_counts is None:
         raise MigrationFailedError(
             "planning failed on another process (see its error); no state was transferred or released"
@@ -146,7 +158,7 @@ def migrate(
     try:
         stats = run_transfer(
             plan, old_locals, new_locals, union_rank=identity.union_rank, peer_counts=peer_counts, group=group,
-            options=transfer or TransferOptions(), on_release=_releaser(old_locals) if release_old else None,
+            options=options, on_release=_releaser(old_locals) if release_old else None,
         )
     except Exception as exc:  # every process must learn about it before anyone continues
         error = exc
