@@ -52,6 +52,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from lightning_emig.launcher.generation import (
+    ENV_AGENT_PID,
     GenerationError,
     NodeEntry,
     control_prefix,
@@ -242,6 +243,7 @@ class MembershipAgent(LocalElasticAgent):
             node_id=self.node_id, control_address=self._control_address, prefix=self._control_prefix,
             generation=self.generation, join_live=self._generation_live, min_nodes=self.min_nodes,
         ))
+        os.environ[ENV_AGENT_PID] = str(os.getpid())  # each worker dies with this agent (see launcher.orphans)
         pids = super()._start_workers(worker_group)
         # torchrun's process context just registered its SIGTERM handler (kill the workers); ours opens the grace
         # period instead. Only the main thread may set handlers (the agent's loop runs there).

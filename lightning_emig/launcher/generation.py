@@ -73,6 +73,8 @@ ENV_CONTROL_PREFIX = "LIGHTNING_EMIG_CONTROL_PREFIX"
 ENV_GENERATION = "LIGHTNING_EMIG_GENERATION"
 ENV_JOIN_LIVE = "LIGHTNING_EMIG_JOIN_LIVE"
 ENV_MIN_NODES = "LIGHTNING_EMIG_MIN_NODES"
+ENV_AGENT_PID = "LIGHTNING_EMIG_AGENT_PID"
+"""The process id of the agent that started a worker (the worker dies with it: :mod:`lightning_emig.launcher.orphans`)."""
 
 LATEST_GENERATION_KEY = "latest_generation"
 GENERATION_COUNTER_KEY = "generation_counter"

@@ -35,7 +35,13 @@ from lightning_emig.data.adopt import USE_INSTEAD, DataLoaderNotElasticError, ad
 from lightning_emig.data.batching import BatchPlan
 from lightning_emig.data.loader import MicroBatchLoader
 from lightning_emig.data.stream import MicroBatchStream
-from lightning_emig.launcher.generation import ENV_GENERATION, control_client_from_env, read_generation
+from lightning_emig.launcher.generation import (
+    ENV_AGENT_PID,
+    ENV_GENERATION,
+    control_client_from_env,
+    read_generation,
+)
+from lightning_emig.launcher.orphans import die_with_parent
 from lightning_emig.layout import HybridLayout, LayoutMesh, build_mesh
 from lightning_emig.membership.failure import FailureSettings
 from lightning_emig.membership.group import (
@@ -263,6 +269,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         if self._checkpoint_writer.closed:  # the previous fit of this Trainer.fit call closed it
             self._checkpoint_writer = AsyncCheckpointWriter(self.timeout)
         if under_launcher():
+            die_with_parent(expected_parent=int(os.environ.get(ENV_AGENT_PID, os.getppid())))  # no orphan workers
             start_heartbeat(self.failure_settings.heartbeat_interval_s)
         self._form_generation_group()
         # Skip ModelParallelStrategy's 2-D mesh: ours is built from the layout.

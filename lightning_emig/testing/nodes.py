@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
+from lightning_emig.launcher.orphans import die_with_parent
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -38,8 +40,11 @@ def start_node(
     ]
     full_env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 - the child holds it; closed here right after
+    harness = os.getpid()
+    # The agent dies with this process (a test runner killed by a timeout leaves no agent, and no worker: they die
+    # with their agent).
     proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: die_with_parent(expected_parent=harness))
     log.close()
     return proc
 
