@@ -26,7 +26,7 @@ import torch.distributed as dist
 from lightning_emig.layout import HybridLayout, LayoutMesh, build_mesh
 from lightning_emig.migration.engine import MigrationFailedError, migrate
 from lightning_emig.migration.planner import IdentityMap, ProcessInfo, StateLostError
-from lightning_emig.migration.state import ShardingSpec, allocate_optimizer_state, training_state
+from lightning_emig.migration.state import ShardingSpec, StateTensor, allocate_optimizer_state, training_state
 from lightning_emig.migration.transfer import (
     IN_PLACE_MIN_BYTES,
     ChecksumMismatchError,
@@ -531,7 +531,32 @@ def _failures_worker(rank: int, world: int, backend: str) -> dict[str, Any]:
     out["disagree_old_intact"] = _states_equal(before, full_training_state(model, optimizer))
     out.update(_lost_state(rank, backend, model, optimizer, old_mesh, template))
     out["lost_old_intact"] = _states_equal(before, full_training_state(model, optimizer))
+    if backend == "gloo":  # last: it releases the old state
+        out.update(_local_error(rank, model, optimizer, old_mesh, new_mesh, template, backend))
     return out
+
+
+def _local_error(
+    rank: int, model: Llama, optimizer: torch.optim.Optimizer, old_mesh: LayoutMesh, new_mesh: LayoutMesh,
+    template: dict[str, ShardingSpec], backend: str,
+) -> dict[str, Any]:
+    """Process 2 cannot free one old shard (its storage is not resizable) in the middle of the rounds."""
+    old_state = training_state(model, optimizer)
+    if rank == 2:
+        key = next(k for k in sorted(old_state) if old_state[k].local.numel() > 0)
+        held = old_state[key]
+        old_state[key] = StateTensor(key, held.spec, torch.from_numpy(held.local.detach().numpy().copy()))
+    new_model = _model(TINY, new_mesh, backend, init=False)
+    new_optimizer = torch.optim.AdamW(new_model.parameters(), lr=LR)
+    new_state = training_state(new_model, None)
+    new_state.update(allocate_optimizer_state(new_model, new_optimizer, template))
+    try:
+        migrate(old_state=old_state, new_state=new_state, old_layout=old_mesh.layout, new_layout=new_mesh.layout,
+                identity=IdentityMap.same_processes(4), pid=rank,
+                transfer=TransferOptions(bucket_bytes=SMALL_BUCKET), release_old=True)
+    except Exception as exc:
+        return {"local_error": type(exc).__name__, "local_message": str(exc)}
+    return {"local_error": None, "local_message": ""}
 
 
 def _lost_state(
@@ -583,6 +608,16 @@ def test_corrupt_byte_in_transit_fails_every_process(backend: str) -> None:
         assert r["clean_rounds"] > 1
     assert "checksum mismatch in round 1 from process 0" in results[victim]["message"]
     assert "not accepted" in results[(victim + 1) % 4]["message"]
+
+
+def test_an_error_on_one_process_mid_transfer_fails_every_process_naming_it() -> None:
+    """Process 2 cannot free an old shard in the middle of the rounds: it still runs every round (its peers post
+    them), then every process raises, the others naming process 2's error; nobody waits for the group's timeout."""
+    results = _results("failures", "gloo")
+    assert results[2]["local_error"] == "RuntimeError" and "not resizable" in results[2]["local_message"]
+    for pid in (0, 1, 3):
+        assert results[pid]["local_error"] == "MigrationFailedError", results[pid]["local_message"]
+        assert "process 2: RuntimeError" in results[pid]["local_message"], results[pid]["local_message"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -10,9 +10,12 @@
    where a process whose planning failed (e.g. state that no live process holds) sends -1, so every process
    stops before any transfer instead of waiting for a peer that will never post its operations; the same
    all-gather checks that every process uses the same transfer options (else every process refuses);
-4. transfer: local copies, then bucketed point-to-point rounds; old storage is released as it leaves;
-5. agree on success: one all-reduce of an error flag, so a checksum mismatch on any process fails every
-   process and no process continues on state that another rejected.
+4. transfer: local copies, then bucketed point-to-point rounds; old storage is released as it leaves. A local error
+   on one process (a copy, a release) does not make it abandon the rounds its peers post: it runs them all and
+   raises afterwards, so nobody waits for the group's timeout;
+5. agree on success: one all-gather of every process's error, so a checksum mismatch or any other error on one
+   process fails every process promptly, naming the original error, and no process continues on state that
+   another rejected.
 
 Ranks passed to torch are ranks *in* ``group`` (``IdentityMap.union_rank``), so ``group`` may be the default group
 or any group whose ranks are the union's processes ordered by pid.
@@ -85,16 +88,18 @@ def _peer_counts(
     return dict(zip(identity.pids, counts, strict=True))
 
 
-def _agree_on_success(error: BaseException | None, group: dist.ProcessGroup | None) -> None:
-    flag = torch.tensor([1 if error is not None else 0], dtype=torch.int64)
-    backend = dist.get_backend(group)
-    if backend == "nccl":
-        flag = flag.cuda()
-    dist.all_reduce(flag, group=group)
+def _agree_on_success(error: BaseException | None, group: dist.ProcessGroup | None, pid: int) -> None:
+    """Every process learns whether the migration failed anywhere, and why (one small all-gather of the errors)."""
+    errors: list[str | None] = [None] * dist.get_world_size(group)
+    mine = None if error is None else f"process {pid}: {type(error).__name__}: {str(error).splitlines()[0][:300]}"
+    dist.all_gather_object(errors, mine, group=group)
     if error is not None:
         raise error
-    if int(flag.item()):
-        raise MigrationFailedError("migration failed on another process; the new state was not accepted")
+    failed = [e for e in errors if e is not None]
+    if failed:
+        raise MigrationFailedError(
+            f"migration failed on another process ({'; '.join(failed[:3])}); the new state was not accepted"
+        )
 
 
 def migrate(
@@ -162,7 +167,7 @@ def migrate(
         )
     except Exception as exc:  # every process must learn about it before anyone continues
         error = exc
-    _agree_on_success(error, group)
+    _agree_on_success(error, group, pid)
     seconds["transfer"] = time.perf_counter() - start
     return MigrationReport(plan=plan, stats=stats, seconds=seconds)
 

@@ -29,6 +29,7 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -253,8 +254,11 @@ def run_transfer(
         on_release: Called with a key once no later round reads ``old[key]``.
     """
     stats = TransferStats()
+    # A local error (a copy, a release) must not abandon the rounds: every peer posts them regardless and would
+    # wait for this process until the group's timeout. The first one is kept and raised after the last round.
+    local = _FirstError()
     start = time.perf_counter()
-    stats.bytes_copied = copy_local(plan, old, new)
+    stats.bytes_copied = local.run(copy_local, plan, old, new) or 0
     stats.seconds_copy = time.perf_counter() - start
 
     me = len(plan.peers)
@@ -271,20 +275,36 @@ def run_transfer(
         # After a mismatch keep running the remaining rounds: peers post them regardless, and raising now would
         # leave them blocked until the process group times out. Nothing received is trusted after a mismatch.
         error = _run_round(
-            round_index, sends, recvs, old, new, union_rank, group, options, device, stats, arenas, in_place
+            round_index, sends, recvs, old, new, union_rank, group, options, device, stats, arenas, in_place, local
         )
         mismatch = mismatch or error
         if on_release is not None:
             for key in last_read.get(round_index, ()):
-                on_release(key)
+                local.run(on_release, key)
     if on_release is not None:
         for key in last_read.get(-1, ()):
-            on_release(key)
+            local.run(on_release, key)
     stats.rounds = len(schedule)
     stats.seconds_transfer = time.perf_counter() - start
+    if local.error is not None:
+        raise local.error
     if mismatch is not None:
         raise mismatch
     return stats
+
+
+class _FirstError:
+    """Runs local steps of a transfer, keeping the first exception instead of raising it (see ``run_transfer``)."""
+
+    def __init__(self) -> None:
+        self.error: Exception | None = None
+
+    def run(self, step: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return step(*args)
+        except Exception as exc:
+            self.error = self.error or exc
+            return None
 
 
 Round = tuple[dict[int, list[Transfer]], dict[int, list[Transfer]]]
@@ -350,6 +370,7 @@ def _run_round(
     stats: TransferStats,
     arenas: tuple[_Arena, _Arena],
     in_place: bool,
+    local: _FirstError,
 ) -> ChecksumMismatchError | None:
     """Post one round's sends and receives in one ``batch_isend_irecv``; return a checksum mismatch, if any.
 
@@ -368,7 +389,9 @@ def _run_round(
         for message in messages_of(bucket, options.in_place_min_bytes):
             packed = _single_contiguous(message, old, source=True) if in_place else None
             if packed is None:
-                packed = _pack(message, old, send_arena.take(sum(t.nbytes for t in message)))
+                staging = send_arena.take(sum(t.nbytes for t in message))
+                local.run(_pack, message, old, staging)  # on failure the message still goes (its bytes unused)
+                packed = staging
                 buffer_bytes += packed.numel()
             else:
                 stats.bytes_in_place += packed.numel()
@@ -411,7 +434,7 @@ def _run_round(
             )
             continue  # never write bytes known to be corrupt
         if not landed:
-            _unpack(message, buffer, new)
+            local.run(_unpack, message, buffer, new)
     return mismatch
 
 
