@@ -127,6 +127,12 @@ class AsyncCheckpointWriter:
             dist.destroy_process_group(self._group)
         self._group = None
 
+    def open(self) -> None:
+        """Create the checkpoint group now, with every rank alive at the start of the fit (a collective): not at the
+        first save, where a peer dying during the group's creation would hold the others in its connect and store
+        waits, one after the other, far past the collective timeout."""
+        self._checkpoint_group()
+
     def _checkpoint_group(self) -> dist.ProcessGroup:
         if self._group is None:
             self._group = dist.new_group(backend="gloo", timeout=self.timeout, group_desc="async_checkpoint")

@@ -284,6 +284,8 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             plan = settings.plan_for(layout)
         self.migrating = self.live_join  # configure_model must not initialise: the join overwrites every tensor
         self.install_mesh(build_mesh(layout, self.root_device.type, timeout=self.timeout), plan)
+        if self.async_checkpoints:
+            self._checkpoint_writer.open()
         if self._rollback is not None and self._rollback.checkpoint is None:
             self._note_rollback(step=0, load_seconds=0.0)  # no checkpoint: the fit starts over from step 0
 
