@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_emig import HybridLayout
 from lightning_emig.launcher.generation import ENV_CONTROL_STORE, ENV_NODE_ID
 from lightning_emig.strategy import ElasticMigrationStrategy
 from lightning_emig.strategy.elastic_fit import ElasticFitLauncher, is_fit, treat_step_as_saved
@@ -81,3 +82,21 @@ def test_only_the_first_fit_of_a_restarted_process_is_a_restart(monkeypatch: pyt
     assert strategy.start_reason is not None and "restart #1" in strategy.start_reason
     strategy.prepare_next_fit()
     assert strategy.start_reason is None
+
+
+def test_the_worlds_a_job_may_take_are_checked_at_start() -> None:
+    from lightning_emig.launcher.generation import ENV_MAX_NODES, ENV_MIN_NODES, allowed_worlds_from_env
+    from lightning_emig.membership.settings import ElasticSettings
+    from lightning_emig.migration.transfer import TransferOptions
+
+    worlds = allowed_worlds_from_env({ENV_MIN_NODES: "1", ENV_MAX_NODES: "3", "LOCAL_WORLD_SIZE": "2"})
+    assert worlds == [2, 4, 6]
+
+    def settings(global_batch: int) -> ElasticSettings:
+        return ElasticSettings(requested_layout=HybridLayout(dp_shard=-1), global_batch_size=global_batch,
+                               micro_batch_size=2, transfer=TransferOptions(), validate_layout=lambda layout: None)
+
+    # 8 samples split over 6 data-parallel ranks of 2 cannot work; 2 and 4 can: a warning, not a refusal.
+    assert list(settings(8).unworkable_worlds(worlds)) == [6]
+    with pytest.raises(ValueError, match=r"no world this job may have can be laid out \(4 processes: .* 8 processes: "):
+        settings(6).unworkable_worlds([4, 8])

@@ -127,6 +127,7 @@ class MembershipAgent(LocalElasticAgent):
         self._left_round = False
         settings = getattr(spec.rdzv_handler, "_settings", None)  # DynamicRendezvousHandler (torch 2.13)
         self.min_nodes = int(getattr(settings, "min_nodes", 1))
+        self.max_nodes = int(getattr(settings, "max_nodes", self.min_nodes))
         self.failure_wait_s = float(os.environ.get(ENV_FAILURE_WAIT_S, "120"))
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
@@ -242,6 +243,7 @@ class MembershipAgent(LocalElasticAgent):
         os.environ.update(worker_env(
             node_id=self.node_id, control_address=self._control_address, prefix=self._control_prefix,
             generation=self.generation, join_live=self._generation_live, min_nodes=self.min_nodes,
+            max_nodes=self.max_nodes,
         ))
         os.environ[ENV_AGENT_PID] = str(os.getpid())  # each worker dies with this agent (see launcher.orphans)
         pids = super()._start_workers(worker_group)

@@ -73,6 +73,7 @@ ENV_CONTROL_PREFIX = "LIGHTNING_EMIG_CONTROL_PREFIX"
 ENV_GENERATION = "LIGHTNING_EMIG_GENERATION"
 ENV_JOIN_LIVE = "LIGHTNING_EMIG_JOIN_LIVE"
 ENV_MIN_NODES = "LIGHTNING_EMIG_MIN_NODES"
+ENV_MAX_NODES = "LIGHTNING_EMIG_MAX_NODES"
 ENV_AGENT_PID = "LIGHTNING_EMIG_AGENT_PID"
 """The process id of the agent that started a worker (the worker dies with it: :mod:`lightning_emig.launcher.orphans`)."""
 
@@ -274,18 +275,29 @@ def current_identity_from_env(env: Mapping[str, str] | None = None) -> WorkerIde
 
 
 def worker_env(
-    *, node_id: str, control_address: str, prefix: str, generation: int, join_live: bool, min_nodes: int = 1
+    *, node_id: str, control_address: str, prefix: str, generation: int, join_live: bool, min_nodes: int = 1,
+    max_nodes: int | None = None,
 ) -> dict[str, str]:
     """The launcher's part of a worker's environment (the inverse of :func:`current_identity_from_env`)."""
     return {
         ENV_NODE_ID: node_id, ENV_CONTROL_STORE: control_address, ENV_CONTROL_PREFIX: prefix,
         ENV_GENERATION: str(generation), ENV_JOIN_LIVE: "1" if join_live else "0", ENV_MIN_NODES: str(min_nodes),
+        ENV_MAX_NODES: str(max_nodes if max_nodes is not None else min_nodes),
     }
 
 
 def min_nodes_from_env(env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     return int(env.get(ENV_MIN_NODES, "1"))
+
+
+def allowed_worlds_from_env(env: Mapping[str, str] | None = None) -> list[int]:
+    """The world sizes this job may take: ``--nnodes`` MIN to MAX nodes of ``LOCAL_WORLD_SIZE`` processes each."""
+    env = os.environ if env is None else env
+    per_node = int(env.get("LOCAL_WORLD_SIZE", "1"))
+    low = min_nodes_from_env(env)
+    high = int(env.get(ENV_MAX_NODES, str(low)))
+    return [nodes * per_node for nodes in range(low, high + 1)]
 
 
 def control_client_from_env(env: Mapping[str, str] | None = None, *, timeout_s: float = 60.0) -> Store:

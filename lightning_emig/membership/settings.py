@@ -47,6 +47,23 @@ class ElasticSettings:
                          dp_degree=layout.dp)
         return layout, plan
 
+    def unworkable_worlds(self, worlds: list[int]) -> dict[int, str]:
+        """Which of ``worlds`` the rule cannot lay out, and why. Raises when none of them can be: a job whose every
+        possible world fails is refused at start, before anything is trained or written."""
+        failing: dict[int, str] = {}
+        for world in worlds:
+            try:
+                self.layout_for_world(world)
+            except (ValueError, NotImplementedError) as exc:
+                failing[world] = str(exc).splitlines()[0]
+        if worlds and len(failing) == len(worlds):
+            raise ValueError(
+                "no world this job may have can be laid out (" + "; ".join(f"{w} processes: {why}" for w, why in
+                                                                    failing.items()) + "): change the global batch, "
+                "the micro batch or the layout, or --nnodes"
+            )
+        return failing
+
     def plan_for(self, layout: HybridLayout) -> BatchPlan:
         return BatchPlan(global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size,
                          dp_degree=layout.dp)

@@ -38,6 +38,7 @@ from lightning_emig.data.stream import MicroBatchStream
 from lightning_emig.launcher.generation import (
     ENV_AGENT_PID,
     ENV_GENERATION,
+    allowed_worlds_from_env,
     control_client_from_env,
     read_generation,
 )
@@ -161,6 +162,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         self._accumulation_written: int | None = None
         self._dropped_children: list[str] = []
         self._starting_over = False
+        self._worlds_checked = False
         self._join: tuple[ChangeRecord, float, float] | None = None
         """The change this fit started with (its record, when the last old step ended, when the state was in place):
         its event is recorded once the first step on the new world is done."""
@@ -270,6 +272,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             self._checkpoint_writer = AsyncCheckpointWriter(self.timeout)
         if under_launcher():
             die_with_parent(expected_parent=int(os.environ.get(ENV_AGENT_PID, os.getppid())))  # no orphan workers
+            self._check_allowed_worlds()
             start_heartbeat(self.failure_settings.heartbeat_interval_s)
         self._form_generation_group()
         # Skip ModelParallelStrategy's 2-D mesh: ours is built from the layout.
@@ -288,6 +291,17 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             self._checkpoint_writer.open()
         if self._rollback is not None and self._rollback.checkpoint is None:
             self._note_rollback(step=0, load_seconds=0.0)  # no checkpoint: the fit starts over from step 0
+
+    def _check_allowed_worlds(self) -> None:
+        """At the first fit: refuse a job none of whose worlds can be laid out; warn about the worlds a change
+        into would stop the job."""
+        if self._worlds_checked:
+            return
+        self._worlds_checked = True
+        failing = self.elastic_settings.unworkable_worlds(allowed_worlds_from_env())
+        if failing and int(os.environ.get("RANK", "0")) == 0:
+            log.warning("a change into these worlds would stop the job: %s",
+                        "; ".join(f"{w} processes: {why}" for w, why in failing.items()))
 
     def _form_generation_group(self) -> None:
         """Under lightning-emig-run, after a live change, torchrun's env:// rendezvous no longer applies."""
