@@ -52,7 +52,7 @@ class DataLoaderNotElasticError(ValueError):
 def adopt_dataloader(loader: DataLoader, *, global_batch_size: int, micro_batch_size: int, seed: int
                      ) -> MicroBatchLoader:
     """The elastic loader over ``loader``'s dataset and collation (see the module docstring)."""
-    shuffle, sampler_seed = _order_of(loader, seed)
+    shuffle = _shuffles(loader)
     if loader.batch_size != micro_batch_size:
         raise DataLoaderNotElasticError(
             f"the training DataLoader has batch_size={loader.batch_size} but the strategy's micro_batch_size is "
@@ -61,13 +61,14 @@ def adopt_dataloader(loader: DataLoader, *, global_batch_size: int, micro_batch_
     if loader.num_workers > 0:
         log.warning("DataLoader(num_workers=%d) is read in the training process: the elastic data position must see "
                     "every optimizer step (worker processes are not used)", loader.num_workers)
-    sampler = GlobalOffsetSampler(len(loader.dataset), global_batch_size, seed=sampler_seed,  # type: ignore[arg-type]
+    # Seeded by the strategy's seed, the same on every rank (a DistributedSampler's may differ per rank).
+    sampler = GlobalOffsetSampler(len(loader.dataset), global_batch_size, seed=seed,  # type: ignore[arg-type]
                                   shuffle=shuffle)
     return MicroBatchLoader(MicroBatchStream(loader.dataset, sampler, micro_batch_size, collate_fn=loader.collate_fn))
 
 
-def _order_of(loader: DataLoader, seed: int) -> tuple[bool, int]:
-    """``(shuffle, seed)`` of the order ``loader`` reads in; refuses a loader whose order we cannot reproduce."""
+def _shuffles(loader: DataLoader) -> bool:
+    """Whether ``loader`` reads its dataset shuffled; refuses a loader whose order we cannot reproduce."""
     if isinstance(loader.dataset, IterableDataset):
         raise DataLoaderNotElasticError(
             f"the training DataLoader reads an IterableDataset ({type(loader.dataset).__name__}): it cannot be "
@@ -82,16 +83,15 @@ def _order_of(loader: DataLoader, seed: int) -> tuple[bool, int]:
         )
     sampler = loader.sampler
     if type(sampler) is SequentialSampler:
-        return False, seed
+        return False
     if type(sampler) is RandomSampler:
         if sampler.replacement or sampler._num_samples is not None:  # noqa: SLF001 - RandomSampler(num_samples=...)
             raise DataLoaderNotElasticError(
                 f"RandomSampler(replacement=True or num_samples=...) draws a different set each epoch; {USE_INSTEAD}"
             )
-        return True, seed
+        return True
     if type(sampler) is DistributedSampler:  # Lightning's injection, for a Sequential or Random one
-        # Its seed may differ per rank (seed_everything() without a seed): the strategy's is the same everywhere.
-        return bool(sampler.shuffle), seed
+        return bool(sampler.shuffle)
     raise DataLoaderNotElasticError(
         f"the training DataLoader uses a custom sampler ({type(sampler).__name__}): it decides the order itself and "
         f"cannot be re-positioned when the world or layout changes; {USE_INSTEAD}"

@@ -43,6 +43,7 @@ from lightning_emig.launcher.generation import (
     node_host,
     read_generation,
 )
+from lightning_emig.membership.group import enter_generation
 from lightning_emig.membership.handoff import LiveHandoff
 from lightning_emig.membership.heartbeat import HeartbeatWatch
 from lightning_emig.migration.change import allocate_shards, execute_change
@@ -153,7 +154,7 @@ def recover_from_failure(
     publisher_host = node_host(node_id) if rank == survivors[0] else None  # new rank 0 hosts the new store
     new_generation = _publish_or_wait(client, info, generation, new_rank_of, publisher_host, settings)
     new_info = read_generation(client, new_generation)
-    _form_group(new_info, node_id, local_rank, backend, strategy.timeout)
+    enter_generation(new_info, node_id, local_rank, backend, strategy.timeout)
     agree = time.perf_counter() - started
 
     new_world, my_new_rank = len(survivors), new_rank_of[rank]
@@ -257,13 +258,6 @@ def _publish_or_wait(
             raise RuntimeError(f"the survivors' generation after generation {generation} was never published")
         time.sleep(0.05)
     return int(client.get(key))
-
-
-def _form_group(info: GenerationInfo, node_id: str, local_rank: int, backend: str, timeout: Any) -> None:
-    from lightning_emig.membership.group import apply_generation_env, form_generation_group
-
-    rank = apply_generation_env(info, node_id, local_rank)
-    form_generation_group(info, rank, backend, timeout)
 
 
 def _backend(strategy: ElasticWorker) -> str:

@@ -82,6 +82,14 @@ def apply_generation_env(info: GenerationInfo, node_id: str, local_rank: int) ->
     return int(env["RANK"])
 
 
+def enter_generation(info: GenerationInfo, node_id: str, local_rank: int, backend: str, timeout: timedelta) -> int:
+    """This worker's environment rewritten for ``info`` and its group formed (blocks for every member); returns its
+    global rank there. Every way into a generation goes through here: a joiner's start, a live switch, a recovery."""
+    rank = apply_generation_env(info, node_id, local_rank)
+    form_generation_group(info, rank, backend, timeout)
+    return rank
+
+
 def form_generation_group(info: GenerationInfo, rank: int, backend: str, timeout: timedelta) -> None:
     """Initialise the default process group of generation ``info`` as global ``rank`` (blocks for every member).
 

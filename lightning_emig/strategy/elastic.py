@@ -38,7 +38,7 @@ from lightning_emig.data.stream import MicroBatchStream
 from lightning_emig.launcher.generation import (
     ENV_AGENT_PID,
     ENV_GENERATION,
-    allowed_worlds_from_env,
+    ENV_NODE_ID,
     control_client_from_env,
     read_generation,
 )
@@ -47,8 +47,7 @@ from lightning_emig.layout import HybridLayout, LayoutMesh, build_mesh
 from lightning_emig.membership.failure import FailureSettings
 from lightning_emig.membership.group import (
     announce_ready,
-    apply_generation_env,
-    form_generation_group,
+    enter_generation,
     joining_live,
     under_launcher,
 )
@@ -155,14 +154,13 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         self.generation = _start_generation()
         """The launcher generation this fit runs in (0 outside ``lightning-emig-run``)."""
         self.left_job = False
+        """This process's node was preempted and handed its state over: it is no longer part of the job."""
         self.start_reason = restart_reason()
         """Why this process's first fit is a restart of a running job (None: a first start, a live join); the later
         fits of one ``trainer.fit`` call are live changes, never restarts, whatever torchrun's environment says."""
-        """This process's node was preempted and handed its state over: it is no longer part of the job."""
         self._accumulation_written: int | None = None
         self._dropped_children: list[str] = []
         self._starting_over = False
-        self._worlds_checked = False
         self._join: tuple[ChangeRecord, float, float] | None = None
         """The change this fit started with (its record, when the last old step ended, when the state was in place):
         its event is recorded once the first step on the new world is done."""
@@ -272,7 +270,6 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             self._checkpoint_writer = AsyncCheckpointWriter(self.timeout)
         if under_launcher():
             die_with_parent(expected_parent=int(os.environ.get(ENV_AGENT_PID, os.getppid())))  # no orphan workers
-            self._check_allowed_worlds()
             start_heartbeat(self.failure_settings.heartbeat_interval_s)
         self._form_generation_group()
         # Skip ModelParallelStrategy's 2-D mesh: ours is built from the layout.
@@ -292,17 +289,6 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         if self._rollback is not None and self._rollback.checkpoint is None:
             self._note_rollback(step=0, load_seconds=0.0)  # no checkpoint: the fit starts over from step 0
 
-    def _check_allowed_worlds(self) -> None:
-        """At the first fit: refuse a job none of whose worlds can be laid out; warn about the worlds a change
-        into would stop the job."""
-        if self._worlds_checked:
-            return
-        self._worlds_checked = True
-        failing = self.elastic_settings.unworkable_worlds(allowed_worlds_from_env())
-        if failing and int(os.environ.get("RANK", "0")) == 0:
-            log.warning("a change into these worlds would stop the job: %s",
-                        "; ".join(f"{w} processes: {why}" for w, why in failing.items()))
-
     def _form_generation_group(self) -> None:
         """Under lightning-emig-run, after a live change, torchrun's env:// rendezvous no longer applies."""
         import torch.distributed as dist
@@ -313,9 +299,8 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         info = read_generation(client, self.generation)
         if self.live_join and self._incoming_handoff is None:
             announce_ready(client, self.generation)
-        rank = apply_generation_env(info, os.environ["LIGHTNING_EMIG_NODE_ID"], int(os.environ["LOCAL_RANK"]))
         backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
-        form_generation_group(info, rank, backend, self.timeout)
+        enter_generation(info, os.environ[ENV_NODE_ID], int(os.environ["LOCAL_RANK"]), backend, self.timeout)
 
     def install_mesh(self, layout_mesh: LayoutMesh, plan: BatchPlan) -> None:
         self._layout_mesh = layout_mesh

@@ -41,10 +41,15 @@ from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from typing_extensions import override
 
-from lightning_emig.launcher.generation import ENV_NODE_ID, control_client_from_env, read_generation
+from lightning_emig.launcher.generation import (
+    ENV_NODE_ID,
+    allowed_worlds_from_env,
+    control_client_from_env,
+    read_generation,
+)
 from lightning_emig.membership.below_min import wait_for_enough_nodes
 from lightning_emig.membership.failure import Rollback, is_peer_failure, recover_from_failure
-from lightning_emig.membership.group import apply_generation_env, form_generation_group, joining_live
+from lightning_emig.membership.group import enter_generation, joining_live
 from lightning_emig.membership.handoff import LIVE_CHECKPOINT, LiveHandoff
 from lightning_emig.strategy.reconfigure import drop_model
 from lightning_emig.strategy.resume import newest_checkpoint
@@ -95,6 +100,7 @@ class ElasticFitLauncher(_Launcher):
                ) -> Any:
         if trainer is None or not is_fit(function):
             return function(*args, **kwargs)
+        _check_allowed_worlds(self._strategy, trainer)
         call = inspect.signature(function).bind(*args, **kwargs)
         if joining_live():
             call.arguments["ckpt_path"] = LIVE_CHECKPOINT
@@ -164,6 +170,15 @@ class ElasticFitLauncher(_Launcher):
         return LIVE_CHECKPOINT
 
 
+def _check_allowed_worlds(strategy: ElasticMigrationStrategy, trainer: pl.Trainer) -> None:
+    """Once per ``Trainer.fit`` call: refuse a job none of whose worlds (``--nnodes`` MIN to MAX) can be laid out;
+    warn about the worlds a change into would stop the job."""
+    failing = strategy.elastic_settings.unworkable_worlds(allowed_worlds_from_env())
+    if failing and trainer.global_rank == 0:
+        log.warning("a change into these worlds would stop the job: %s",
+                    "; ".join(f"{w} processes: {why}" for w, why in failing.items()))
+
+
 def _end_interrupted_fit(trainer: pl.Trainer, exc: BaseException) -> None:
     """What Lightning does when a fit raises (``_call_and_handle_interrupt``), before the survivors recover: status
     INTERRUPTED, ``on_exception`` hooks, the Trainer's teardown (which releases the strategy's resources in the
@@ -211,8 +226,7 @@ def _agree_on_newest_checkpoint(checkpoint_dir: Path | None) -> str | None:
 def switch_to_generation(generation: int, *, timeout: timedelta) -> None:
     """Leave the current process group and form ``generation``'s, same backend (this process keeps running)."""
     info = read_generation(control_client_from_env(), generation)
-    rank = apply_generation_env(info, os.environ[ENV_NODE_ID], int(os.environ["LOCAL_RANK"]))
     backend = dist.get_backend() if dist.is_initialized() else "gloo"
     if dist.is_initialized():
         dist.destroy_process_group()
-    form_generation_group(info, rank, backend, timeout)
+    enter_generation(info, os.environ[ENV_NODE_ID], int(os.environ["LOCAL_RANK"]), backend, timeout)

@@ -92,7 +92,7 @@ def join_live(
     news: _Announcement = box[0]
     old_layout = HybridLayout(**news.old_layout)
     settings = strategy.elastic_settings
-    _rescale_counters(news.metadata, settings.plan_for, strategy)
+    _rescale_counters(news.metadata, strategy)
     old_ranks = sorted(old for _, _, old in who if old is not None)
     if old_ranks != list(range(news.old_world)):
         raise NotImplementedError(
@@ -128,9 +128,10 @@ def join_live(
     return dict(news.metadata), record, news.last_step_wall
 
 
-def _rescale_counters(metadata: dict[str, Any], plan_for: Any, strategy: ElasticMigrationStrategy) -> None:
+def _rescale_counters(metadata: dict[str, Any], strategy: ElasticMigrationStrategy) -> None:
     """The loop counters were captured under the accumulation of the layout recorded with them; Lightning steps on
     this world's. Re-express them, and record the layout they are now expressed in."""
     captured_under = HybridLayout(**metadata["lightning_emig"]["layout"])
-    rescale_batch_progress(metadata, plan_for(captured_under).grad_accumulation, strategy.batch_plan.grad_accumulation)
+    old_accumulation = strategy.elastic_settings.plan_for(captured_under).grad_accumulation
+    rescale_batch_progress(metadata, old_accumulation, strategy.batch_plan.grad_accumulation)
     metadata["lightning_emig"] = {"layout": strategy.layout.as_dict(), "world_size": strategy.world_size}
