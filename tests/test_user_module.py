@@ -169,3 +169,18 @@ def test_random_sampler_keeps_its_num_samples_where_adopt_reads_it() -> None:
     with pytest.raises(DataLoaderNotElasticError, match="RandomSampler"):
         adopt_dataloader(DataLoader(DATASET, batch_size=2, sampler=RandomSampler(DATASET, num_samples=8)),
                          global_batch_size=8, micro_batch_size=2, seed=0)
+
+
+def test_a_models_blocks_come_from_its_method_or_its_block_container() -> None:
+    from torch import nn
+
+    from lightning_emig.examples.gpt import GPT
+    from lightning_emig.models.base import blocks_of
+    from lightning_emig.models.llama import Llama, get_model_config
+
+    with torch.device("meta"):
+        llama = Llama(get_model_config("tiny"))
+        container = GPT(GPTConfig())  # blocks is an nn.ModuleList: callable, but not a method to call
+    assert len(blocks_of(container)) == GPTConfig().n_layers
+    assert blocks_of(llama) == llama.blocks()
+    assert blocks_of(nn.Linear(2, 2)) == []

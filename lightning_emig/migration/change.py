@@ -7,7 +7,7 @@ them calls :func:`execute_change` with those, on every process of the group that
 
 1. :func:`~lightning_emig.migration.engine.migrate` moves the state (minimal bytes; local copies free; every process
    learns of a failure anywhere before anyone continues);
-2. one tiny all-gather adds up the bytes every process received and copied locally;
+2. the bytes every process received and copied locally are added up (migrate's closing agreement carries them);
 3. the result is a :class:`ChangeRecord`: kind, step, old and new world and layout, bytes, seconds per phase, steps
    rolled back, the nodes that left or died. It is what the event reports and what a handoff carries into the next
    fit when the state moved before it (no dict between modules).
@@ -93,12 +93,10 @@ def execute_change(
         old_state=old_state, new_state=new_state, old_layout=old_layout, new_layout=new_layout, identity=identity,
         pid=pid, group=group, transfer=transfer, release_old=release_old,
     )
-    counted: list[tuple[int, int] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(counted, (report.stats.bytes_received, report.stats.bytes_copied), group=group)
     return ChangeRecord(
         kind=kind, step=step, old_layout=old_layout, new_layout=new_layout, old_world=identity.old_world,
-        new_world=identity.new_world, bytes_moved=sum(c[0] for c in counted if c is not None),
-        bytes_copied_locally=sum(c[1] for c in counted if c is not None),
+        new_world=identity.new_world, bytes_moved=report.total_bytes_received,
+        bytes_copied_locally=report.total_bytes_copied,
         seconds={"transfer": time.perf_counter() - started},
     )
 

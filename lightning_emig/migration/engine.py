@@ -13,7 +13,7 @@
 4. transfer: local copies, then bucketed point-to-point rounds; old storage is released as it leaves. A local error
    on one process (a copy, a release) does not make it abandon the rounds its peers post: it runs them all and
    raises afterwards, so nobody waits for the group's timeout;
-5. agree on success: one all-gather of every process's error, so a checksum mismatch or any other error on one
+5. agree on success: one all-gather of every process's error (and its byte counts, for the totals), so a checksum mismatch or any other error on one
    process fails every process promptly, naming the original error, and no process continues on state that
    another rejected.
 
@@ -50,6 +50,10 @@ class MigrationReport:
     plan: RankPlan
     stats: TransferStats
     seconds: dict[str, float] = field(default_factory=dict)
+    total_bytes_received: int = 0
+    """Bytes every process of the group received, summed (learnt in the closing agreement)."""
+    total_bytes_copied: int = 0
+    """Bytes every process copied locally, summed."""
 
     @property
     def bytes_moved(self) -> int:
@@ -88,18 +92,23 @@ def _peer_counts(
     return dict(zip(identity.pids, counts, strict=True))
 
 
-def _agree_on_success(error: BaseException | None, group: dist.ProcessGroup | None, pid: int) -> None:
-    """Every process learns whether the migration failed anywhere, and why (one small all-gather of the errors)."""
-    errors: list[str | None] = [None] * dist.get_world_size(group)
+def _agree_on_success(
+    error: BaseException | None, stats: TransferStats, group: dist.ProcessGroup | None, pid: int
+) -> tuple[int, int]:
+    """Every process learns whether the migration failed anywhere, and why, and the bytes every process received and
+    copied: one small all-gather. Returns the byte totals."""
+    gathered: list[tuple[str | None, int, int] | None] = [None] * dist.get_world_size(group)
     mine = None if error is None else f"process {pid}: {type(error).__name__}: {str(error).splitlines()[0][:300]}"
-    dist.all_gather_object(errors, mine, group=group)
+    dist.all_gather_object(gathered, (mine, stats.bytes_received, stats.bytes_copied), group=group)
     if error is not None:
         raise error
-    failed = [e for e in errors if e is not None]
+    reports = [g for g in gathered if g is not None]
+    failed = [e for e, _, _ in reports if e is not None]
     if failed:
         raise MigrationFailedError(
             f"migration failed on another process ({'; '.join(failed[:3])}); the new state was not accepted"
         )
+    return sum(r for _, r, _ in reports), sum(c for _, _, c in reports)
 
 
 def migrate(
@@ -167,9 +176,10 @@ def migrate(
         )
     except Exception as exc:  # every process must learn about it before anyone continues
         error = exc
-    _agree_on_success(error, group, pid)
+    received, copied = _agree_on_success(error, stats, group, pid)
     seconds["transfer"] = time.perf_counter() - start
-    return MigrationReport(plan=plan, stats=stats, seconds=seconds)
+    return MigrationReport(plan=plan, stats=stats, seconds=seconds, total_bytes_received=received,
+                           total_bytes_copied=copied)
 
 
 def _tensor_migrations(

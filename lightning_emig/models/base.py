@@ -42,3 +42,14 @@ class ParallelizableModel(Protocol):
     def init_full_parameter(self, name: str, full: torch.Tensor, generator: torch.Generator) -> None: ...
 
     def init_buffers(self) -> None: ...
+
+
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The model's own blocks: its ``blocks()`` method, or the modules of a ``blocks`` container (an ``nn.ModuleList``
+    is a module, callable but not a method); none if it has neither (then the whole model is one unit)."""
+    from torch import nn
+
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.Module):
+        return list(blocks.children())
+    return list(blocks()) if callable(blocks) else []

@@ -55,6 +55,11 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     """Base of the rotary position frequencies."""
 
+    def validate_layout(self, layout: HybridLayout) -> None:
+        """Raise :class:`~lightning_emig.layout.LayoutError` for a layout a model of this shape cannot be split by."""
+        layout.validate_for_model(n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, ffn_hidden=self.ffn_hidden,
+                                  n_layers=self.n_layers)
+
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
@@ -218,9 +223,7 @@ class Llama(nn.Module):
     # ------------------------------------------------------------ parallelism hooks
     def validate_layout(self, layout: HybridLayout) -> None:
         """Raise :class:`~lightning_emig.layout.LayoutError` for a layout this model cannot be split by."""
-        c = self.config
-        layout.validate_for_model(n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, ffn_hidden=c.ffn_hidden,
-                                  n_layers=c.n_layers)
+        self.config.validate_layout(layout)
 
     def blocks(self) -> list[nn.Module]:
         return list(self.layers.values())

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lightning_emig.layout import MeshAxis
+from lightning_emig.models.base import blocks_of
 from lightning_emig.parallelize.fsdp import apply_fsdp, data_parallel_mesh
 from lightning_emig.parallelize.init import materialize_and_init, materialize_empty, parameter_seed
 from lightning_emig.parallelize.tensor_parallel import apply_tensor_parallel
@@ -60,7 +61,7 @@ def parallelize_model(
     if tp_plan is None and hasattr(model, "tensor_parallel_plan"):
         tp_plan = model.tensor_parallel_plan()  # type: ignore[operator]
     if blocks is None:
-        blocks = list(model.blocks()) if hasattr(model, "blocks") else []  # type: ignore[operator]
+        blocks = blocks_of(model)
     apply_tensor_parallel(model, layout_mesh[MeshAxis.TP], tp_plan, blocks)
     apply_fsdp(model, layout_mesh, blocks=blocks, mp_policy=mp_policy)
     return model

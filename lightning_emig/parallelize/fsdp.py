@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lightning_emig.layout import MeshAxis
+from lightning_emig.models.base import blocks_of
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -53,7 +54,7 @@ def apply_fsdp(
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if blocks is None:
-        blocks = list(model.blocks()) if hasattr(model, "blocks") else []  # type: ignore[operator]
+        blocks = blocks_of(model)
     policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)

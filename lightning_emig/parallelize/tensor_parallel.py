@@ -44,7 +44,7 @@ def apply_tensor_parallel(
         return
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from lightning_emig.models.base import TensorParallelPlan
+    from lightning_emig.models.base import TensorParallelPlan, blocks_of
 
     if plan is None:
         if not hasattr(model, "tensor_parallel_plan"):
@@ -58,7 +58,7 @@ def apply_tensor_parallel(
         plan = TensorParallelPlan(root=plan, block={})
     parallelize_module(model, tp_mesh, plan.root)
     if plan.block:
-        for block in list(model.blocks()) if blocks is None else blocks:  # type: ignore[operator]
+        for block in blocks_of(model) if blocks is None else blocks:
             parallelize_module(block, tp_mesh, plan.block)
     if plan.sequence_dim is not None:
         model.register_forward_pre_hook(_sequence_length_check(plan.sequence_dim, tp_mesh.size()))

@@ -54,8 +54,7 @@ class LlamaLightningModule(pl.LightningModule):
 
     def validate_layout(self, layout: HybridLayout) -> None:
         """The layouts this module's model can be split by (the strategy asks before any state moves)."""
-        with torch.device("meta"):
-            Llama(self.model_config).validate_layout(layout)
+        self.model_config.validate_layout(layout)
 
     @override
     def configure_model(self) -> None:
