@@ -46,7 +46,12 @@ import pytest
 from lightning_emig.strategy.events import read_events
 from lightning_emig.testing.commands import descendants, is_alive
 from lightning_emig.testing.distributed import free_port
-from lightning_emig.testing.held_train import ENV_HOLD_LEAVING_EXIT, ENV_HOLD_UNTIL_GENERATION
+from lightning_emig.testing.held_train import (
+    ENV_HOLD_ADMISSION_UNTIL_GENERATION,
+    ENV_HOLD_LEAVING_EXIT,
+    ENV_HOLD_TRAINING_UNTIL_GENERATION,
+    ENV_HOLD_UNTIL_GENERATION,
+)
 from lightning_emig.testing.ledger import check_ledger
 from lightning_emig.testing.nodes import log_tail, start_node, stop_agents, wait_for, worst_loss_gap
 from lightning_emig.training.step_times import read_step_times
@@ -236,3 +241,65 @@ def test_a_join_while_a_migration_is_running(tmp_path: Path) -> None:
         ("join", 1, 2, 1), ("join", 2, 3, 2)], events
     assert events[1]["step"] < MAX_STEPS - 1, "C joined too late to train on the world of three"
     print(f"join during a migration: {held[0].split('test hold: ')[-1]}; {time.monotonic() - started:.0f}s")
+
+
+# --- 3. a round while a worker started by the previous one is still starting -------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_second_join_while_the_first_joiner_is_still_starting(tmp_path: Path) -> None:
+    """A trains alone; B joins (generation 1) and its worker is still starting when C joins (generation 2, which
+    lists B's worker as kept). A waits for both and goes from one process to three in one change; B's worker forms
+    generation 2, not the generation 1 nobody forms, and is never restarted."""
+    nodes = Nodes(tmp_path, rdzv_id="overlapping-joins", module="lightning_emig.testing.held_train",
+                  env={ENV_HOLD_TRAINING_UNTIL_GENERATION: "2"})
+    try:
+        nodes.start("a")
+        wait_for(lambda: "generation 0: world 1" in nodes.log("a") or nodes.any_exited(), 60,
+                 f"A did not start:\n{nodes.logs()}")
+        a_workers = nodes.workers("a")
+        nodes.start("b", env={ENV_HOLD_ADMISSION_UNTIL_GENERATION: "2"})  # B's start-up outlasts C's round
+        wait_for(lambda: "generation 1: world 2" in nodes.log("a") or nodes.any_exited(), 60,
+                 f"B's round was never published:\n{nodes.logs()}")
+        nodes.start("c")
+        nodes.wait_all(180)
+        left = nodes.left_behind()
+        assert not left, f"processes left behind: {left}"
+    finally:
+        nodes.close()
+    assert "rounds overlapped" in nodes.log("b"), nodes.log("b")
+    assert "rejoining" not in nodes.log("b"), "B's worker was restarted"
+    events, _ = _check_run(nodes, a_workers, final_world=3)
+    assert [(e["kind"], e["old_world"], e["new_world"], e["generation"]) for e in events] == [("join", 1, 3, 2)], events
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_joiner_left_out_by_a_drain_comes_back_through_a_new_round(tmp_path: Path) -> None:
+    """A and B train as two; C joins (generation 1) and is still starting when B is preempted: the drain does not wait
+    for C (B's grace period runs), A goes on alone in generation 2, and C's worker, left out, exits; its agent brings
+    a fresh one in (generation 3) without spending a restart (``--max-restarts=0``)."""
+    nodes = Nodes(tmp_path, rdzv_id="left-out", module="lightning_emig.testing.held_train",
+                  env={ENV_HOLD_TRAINING_UNTIL_GENERATION: "3"})
+    try:
+        nodes.start("a")
+        nodes.start("b")
+        wait_for(lambda: _steps_on_world(nodes.run_dir, 2) >= 5 or nodes.any_exited(),
+                 120, f"A and B did not train as a world of two:\n{nodes.logs()}")
+        a_workers = nodes.workers("a")
+        nodes.start("c", env={ENV_HOLD_ADMISSION_UNTIL_GENERATION: "2"})  # C is starting until the drain is done
+        wait_for(lambda: "generation 1: world 3" in nodes.log("a") or nodes.any_exited(), 60,
+                 f"C's round was never published:\n{nodes.logs()}")
+        os.kill(nodes.agents["b"].pid, signal.SIGTERM)
+        nodes.wait_all(180)
+        left = nodes.left_behind()
+        assert not left, f"processes left behind: {left}"
+    finally:
+        nodes.close()
+    assert "without this worker" in nodes.log("c") and "rejoining with fresh workers" in nodes.log("c"), nodes.log("c")
+    events, _ = _check_run(nodes, a_workers, final_world=2)
+    assert [(e["kind"], e["old_world"], e["new_world"], e["generation"]) for e in events] == [
+        ("preempt", 2, 1, 2), ("join", 1, 2, 3)], events

@@ -38,24 +38,32 @@ def _agents_publish(store: object, nodes: list) -> int:
                               master_addr="127.0.0.2", master_port=1, rendezvous_seconds=0.0)
 
 
-@pytest.mark.parametrize("meanwhile", ["nothing", "a join", "a round that kept the leaver"])
+@pytest.mark.parametrize("meanwhile", ["nothing", "a join", "a join, its joiner starting", "a round that kept the leaver"])
 def test_the_survivors_generation_never_hides_one_the_agents_published_during_the_drain(meanwhile: str) -> None:
     """A drain that saw generation 0 (A, B; B leaving) publishes A's generation only if nothing came since; a round
-    published meanwhile with joiner C and without B is the one A goes into (C's worker was started into it)."""
+    published meanwhile with joiner C and without B is the one A goes into once C's worker is ready (it was started
+    into it); while C is still starting, or when the round kept B, A's generation comes after it (C is left out and
+    rejoins). Either way the survivors' generation is the one committed to, and the newest."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
-    from lightning_emig.launcher.generation import latest_generation, read_generation
+    from lightning_emig.launcher.generation import latest_generation, read_generation, ready_key
+    from lightning_emig.membership.admission import active_generation
     from lightning_emig.membership.preempt import _publish_survivors_or_join
 
     store = dist.HashStore()
     _agents_publish(store, _entries(("a", (0,), False), ("b", (1,), False)))
     info = read_generation(store, 0)
-    if meanwhile == "a join":
+    if meanwhile.startswith("a join"):
         _agents_publish(store, _entries(("a", (0,), True), ("c", (1,), False)))
+        if meanwhile == "a join":
+            store.set(ready_key("c", 0), "1")
     elif meanwhile == "a round that kept the leaver":
         _agents_publish(store, _entries(("a", (0,), True), ("b", (1,), True), ("c", (2,), False)))
-    went_into = _publish_survivors_or_join(store, info, {0: 0}, "127.0.0.1", ["b"], seen_latest=0)
-    assert went_into == latest_generation(store)
+    went_into = _publish_survivors_or_join(store, info, {0: 0}, "127.0.0.1", ["b"], seen_latest=0,
+                                           timeout=timedelta(seconds=10))
+    assert went_into == latest_generation(store) == active_generation(store)
     nodes = [n.node_id for n in read_generation(store, went_into).nodes]
-    assert nodes == {"nothing": ["a"], "a join": ["a", "c"], "a round that kept the leaver": ["a"]}[meanwhile]
-    assert went_into == {"nothing": 1, "a join": 1, "a round that kept the leaver": 3}[meanwhile]
+    assert nodes == (["a", "c"] if meanwhile == "a join" else ["a"])
+    assert went_into == {"nothing": 1, "a join": 1}.get(meanwhile, 3)

@@ -47,12 +47,13 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from lightning_emig.launcher.generation import (
     ENV_AGENT_PID,
+    LEFT_OUT_EXIT_CODE,
     GenerationError,
     NodeEntry,
     control_prefix,
@@ -62,6 +63,7 @@ from lightning_emig.launcher.generation import (
     make_node_id,
     publish_generation,
     read_generation,
+    ready_key,
     restart_key,
     worker_env,
 )
@@ -102,6 +104,13 @@ def find_tcp_store(store: dist.Store) -> dist.TCPStore:
             f"endpoint); the rendezvous store is a {type(store).__name__}"
         )
     return store
+
+
+def _left_out(result: RunResult) -> bool:
+    """Every failed worker exited with the code of a joiner the state holders went on without."""
+    return bool(result.failures) and all(
+        failure.exitcode == LEFT_OUT_EXIT_CODE for failure in result.failures.values()
+    )
 
 
 class MembershipAgent(LocalElasticAgent):
@@ -240,6 +249,9 @@ class MembershipAgent(LocalElasticAgent):
         self.generation = generation
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        if self._control is not None:  # a fresh process is not ready to join yet (see membership.admission)
+            for local_rank in range(worker_group.spec.local_world_size):
+                self._control.delete_key(ready_key(self.node_id, local_rank))
         os.environ.update(worker_env(
             node_id=self.node_id, control_address=self._control_address, prefix=self._control_prefix,
             generation=self.generation, join_live=self._generation_live, min_nodes=self.min_nodes,
@@ -265,9 +277,20 @@ class MembershipAgent(LocalElasticAgent):
         if self._notice_at is not None:
             self._announce_leaving()
         result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.FAILED and _left_out(result):
+            self._rejoin_left_out(worker_group)
+            return RunResult(state=WorkerState.HEALTHY)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self._remaining_restarts == 0:
             self._fail_without_restart()
         return result
+
+    def _rejoin_left_out(self, worker_group: WorkerGroup) -> None:
+        """Our workers, started into a generation, were left out of the one the state holders formed (rounds
+        overlapped): a new rendezvous round brings fresh workers in. Not a failure: no restart spent, nothing marked
+        dead."""
+        logger.warning("[%s] workers left out of the generation the others formed: rejoining with fresh workers",
+                       self.node_id)
+        super()._restart_workers(worker_group)  # stop (they exited), rendezvous as a joining node, start
 
     def _fail_without_restart(self) -> None:
         """Our workers failed with no torchrun restart left: this node leaves; the survivors carry on without it.

@@ -31,6 +31,8 @@ Keys under the prefix (the control store), for generation ``n``:
   torchrun's restart path; healthy agents that then see nodes waiting restart too (torchrun's behaviour
   for failures) instead of carrying their workers over.
 * ``generation_counter``: the rank-0 agent takes each new number from it (``add(1) - 1``).
+* ``active_generation``, ``ready/<node_id>/<local_rank>``: which generation the workers holding the state form, and
+  which started workers are ready to join them (see :mod:`lightning_emig.membership.admission`).
 * ``leaving/<node_id>``: JSON ``{"deadline"}`` (``time.time()`` by which the node is gone), written by an agent
   that got a preemption notice (SIGTERM, or the file named by ``LIGHTNING_EMIG_PREEMPT_FILE`` appearing). The
   workers then agree at a step boundary to hand that node's state to the survivors, its workers exit 0, and the
@@ -78,6 +80,10 @@ ENV_AGENT_PID = "LIGHTNING_EMIG_AGENT_PID"
 """The process id of the agent that started a worker (the worker dies with it: :mod:`lightning_emig.launcher.orphans`)."""
 
 LATEST_GENERATION_KEY = "latest_generation"
+ACTIVE_GENERATION_KEY = "active_generation"
+LEFT_OUT_EXIT_CODE = 75
+"""A joiner's exit code when the state holders went on without it (``EX_TEMPFAIL``): its agent brings a fresh worker
+back in through a new round; no restart is spent (see :mod:`lightning_emig.membership.admission`)."""
 GENERATION_COUNTER_KEY = "generation_counter"
 FORMAT_VERSION = 1
 
@@ -119,6 +125,11 @@ def node_host(node_id: str) -> str:
 
 def heartbeat_key(node_id: str, local_rank: int) -> str:
     return f"hb/{node_id}/{local_rank}"
+
+
+def ready_key(node_id: str, local_rank: int) -> str:
+    """Control-store key a worker started into a live generation sets once its start-up is done."""
+    return f"ready/{node_id}/{local_rank}"
 
 
 def dead_key(node_id: str) -> str:
@@ -378,11 +389,16 @@ def publish_generation(
 
 
 def _raise_latest(store: Store, generation: int) -> None:
-    """``latest_generation = max(latest_generation, generation)``, atomically: workers (a preemption drain, the
-    survivors of a failure) and the agents' rounds may publish at the same time."""
-    current = store.get(LATEST_GENERATION_KEY).decode() if store.check([LATEST_GENERATION_KEY]) else ""
-    while current == "" or int(current) < generation:
-        seen = store.compare_set(LATEST_GENERATION_KEY, current, str(generation)).decode()
-        if seen == str(generation):
+    """``latest_generation = max(latest_generation, generation)``: workers (a preemption drain, the survivors of a
+    failure) and the agents' rounds may publish at the same time."""
+    raise_key(store, LATEST_GENERATION_KEY, generation)
+
+
+def raise_key(store: Store, key: str, value: int) -> None:
+    """``store[key] = max(store[key], value)``, atomically (``compare_set`` until it holds)."""
+    current = store.get(key).decode() if store.check([key]) else ""
+    while current == "" or int(current) < value:
+        seen = store.compare_set(key, current, str(value)).decode()
+        if seen == str(value):
             return
         current = seen

@@ -23,7 +23,7 @@ from lightning_emig.launcher.generation import (
     min_nodes_from_env,
     read_generation,
 )
-from lightning_emig.membership.group import joiners_ready
+from lightning_emig.membership.admission import commit_generation, joiners_ready
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,10 @@ def wait_for_enough_nodes(generation: int, timeout_s: float) -> int | None:
 
 
 def _ready_newer(client: dist.Store, generation: int) -> int | None:
+    """Rank 0: a newer generation whose joiners are ready, committed to (the survivors go into it), or None."""
     latest = latest_generation(client)
-    if latest <= generation:
+    if latest <= generation or not joiners_ready(client, read_generation(client, latest),
+                                                 read_generation(client, generation)):
         return None
-    return latest if joiners_ready(client, read_generation(client, latest)) else None
+    commit_generation(client, latest)
+    return latest

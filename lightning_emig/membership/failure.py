@@ -51,6 +51,8 @@ from lightning_emig.migration.engine import MigrationFailedError
 from lightning_emig.migration.planner import IdentityMap, ProcessInfo, StateLostError
 
 if TYPE_CHECKING:
+    from datetime import timedelta
+
     from lightning_emig.layout import HybridLayout
     from lightning_emig.membership.settings import ElasticWorker
 
@@ -152,7 +154,8 @@ def recover_from_failure(
     reports = {r: json.loads(client.get(report_key(generation, r))) for r in survivors}
     new_rank_of = {old: new for new, old in enumerate(survivors)}
     publisher_host = node_host(node_id) if rank == survivors[0] else None  # new rank 0 hosts the new store
-    new_generation = _publish_or_wait(client, info, generation, new_rank_of, publisher_host, settings)
+    new_generation = _publish_or_wait(client, info, generation, new_rank_of, publisher_host, settings,
+                                      strategy.timeout)
     new_info = read_generation(client, new_generation)
     enter_generation(new_info, node_id, local_rank, backend, strategy.timeout)
     agree = time.perf_counter() - started
@@ -241,7 +244,7 @@ def _decide_survivors(
 
 def _publish_or_wait(
     client: Any, info: GenerationInfo, generation: int, new_rank_of: dict[int, int], host: str | None,
-    settings: FailureSettings,
+    settings: FailureSettings, timeout: timedelta,
 ) -> int:
     """The lowest survivor (given its ``host``) publishes the survivors' generation, its store on that host; the
     others (``host=None``) read its number."""
@@ -249,7 +252,7 @@ def _publish_or_wait(
 
     key = new_generation_key(generation)
     if host is not None:
-        published = publish_survivors(client, info, new_rank_of, host)
+        published = publish_survivors(client, info, new_rank_of, host, timeout)
         assert published is not None  # published unconditionally
         client.set(key, str(published))
     deadline = time.monotonic() + settings.failure_timeout_s

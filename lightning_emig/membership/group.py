@@ -5,9 +5,11 @@ Invariants:
 * a generation's group is formed on a ``TCPStore`` at the generation's ``master_addr:master_port`` hosted by its
   global rank 0, under ``PrefixStore(f"gen{n}")`` (see :mod:`lightning_emig.launcher.generation`), by every
   member, whether it kept running from the previous generation or was just started;
-* a worker started into a live generation announces itself ready (``gen/<n>/joiners_ready`` in the control
-  store, one ``add`` per worker) right before it forms the group; the running workers keep training until
-  every joiner is ready, so a joiner's start-up (interpreter, imports, building its run) is no downtime;
+* a worker started into a live generation forms the generation the state holders admit it to
+  (:mod:`~lightning_emig.membership.admission`); the holders keep training until every joiner is ready, so a
+  joiner's start-up (interpreter, imports, building its run) is no downtime;
+* the survivors' own generations (a drain, a failure) are published with a store their new rank 0 already hosts on
+  a port the OS picked (:func:`host_generation_store`): no port is chosen first and bound later;
 * ``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` are rewritten
   for the generation before a Trainer is built in it: Lightning's ``TorchElasticEnvironment`` reads them, and
   the values torchrun gave a process describe the generation it was *started* in.
@@ -28,21 +30,6 @@ from lightning_emig.launcher.generation import (
     GenerationError,
     GenerationInfo,
 )
-
-
-def joiners_ready_key(generation: int) -> str:
-    return f"gen/{generation}/joiners_ready"
-
-
-def announce_ready(client: dist.Store, generation: int) -> None:
-    """A joining worker is about to form ``generation``'s group (its start-up is done)."""
-    client.add(joiners_ready_key(generation), 1)
-
-
-def joiners_ready(client: dist.Store, info: GenerationInfo) -> bool:
-    """Every worker started into ``info`` (not carried over) has announced itself ready."""
-    expected = sum(len(node.ranks) for node in info.nodes if not node.kept_workers)
-    return client.add(joiners_ready_key(info.generation), 0) >= expected
 
 
 def under_launcher(env: Mapping[str, str] | None = None) -> bool:
@@ -90,18 +77,36 @@ def enter_generation(info: GenerationInfo, node_id: str, local_rank: int, backen
     return rank
 
 
+_hosted_stores: dict[int, dist.TCPStore] = {}
+"""Stores this process hosts for generations it published (taken when it forms the generation's group)."""
+
+
+def host_generation_store(host: str, timeout: timedelta) -> dist.TCPStore:
+    """A store for a generation this process is about to publish and will be rank 0 of: bound now, on a port the OS
+    picks, so the generation is published with a port that is already ours. Keep it with :func:`keep_hosted_store`
+    once the generation's number is known."""
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+
+
+def keep_hosted_store(generation: int, store: dist.TCPStore) -> None:
+    _hosted_stores[generation] = store
+
+
 def form_generation_group(info: GenerationInfo, rank: int, backend: str, timeout: timedelta) -> None:
     """Initialise the default process group of generation ``info`` as global ``rank`` (blocks for every member).
 
-    Rank 0 hosts the generation's store; the others connect to it. ``wait_for_workers=False``: the group's own
-    initialisation is the rendezvous, under the same ``timeout``.
+    Rank 0 hosts the generation's store (the one it bound when it published the generation, if it did); the others
+    connect to it. ``wait_for_workers=False``: the group's own initialisation is the rendezvous, under the same
+    ``timeout``.
     """
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialised: destroy the previous generation's first")
-    store = dist.TCPStore(
-        info.master_addr, info.master_port, world_size=info.world_size, is_master=rank == 0,
-        wait_for_workers=False, timeout=timeout,
-    )
+    store = _hosted_stores.pop(info.generation, None) if rank == 0 else None
+    if store is None:
+        store = dist.TCPStore(
+            info.master_addr, info.master_port, world_size=info.world_size, is_master=rank == 0,
+            wait_for_workers=False, timeout=timeout,
+        )
     dist.init_process_group(
         backend, store=dist.PrefixStore(info.store_prefix, store), rank=rank, world_size=info.world_size,
         timeout=timeout,

@@ -6,9 +6,10 @@ departure (``leaving/<node_id>`` in the control store, written by its agent on S
 
 1. global rank 0 broadcasts the current generation and the leaving nodes; every rank derives the survivors
    (ranked in old-rank order) and the new layout (``ElasticSettings.layout_for_world``, checked before anything moves);
-2. the lowest surviving old rank (new rank 0) picks a free port on its host, publishes the next generation
-   (survivors only, all ``kept_workers``) and broadcasts its number — unless the agents published a round meanwhile
-   (a node joined) that holds the survivors and no leaver: the survivors go into that one instead;
+2. the lowest surviving old rank (new rank 0) binds the new generation's store on its host, publishes the next
+   generation (survivors only, all ``kept_workers``) and broadcasts its number — unless the agents published a round
+   meanwhile (a node joined) that holds the survivors, no leaver, and only joiners that are ready: the survivors go
+   into that one instead;
 3. survivors allocate plain local buffers for their new shards (from the geometry, no mesh needed) and
    :func:`~lightning_emig.migration.engine.migrate` moves every parameter and optimizer-state shard; leavers only
    send (``new_state=None``);
@@ -22,8 +23,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import socket
 import time
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -37,6 +38,8 @@ from lightning_emig.launcher.generation import (
     publish_generation,
     read_generation,
 )
+from lightning_emig.membership.admission import commit_generation, joiners_ready
+from lightning_emig.membership.group import host_generation_store, keep_hosted_store
 from lightning_emig.membership.handoff import LiveHandoff
 from lightning_emig.migration.change import allocate_shards, execute_change
 from lightning_emig.migration.planner import IdentityMap, ProcessInfo
@@ -56,54 +59,60 @@ def leaving_nodes(client: dist.Store, generation: int) -> list[str]:
     return [node.node_id for node in info.nodes if client.check([leaving_key(node.node_id)])]
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 def publish_survivors(
-    client: Any, info: Any, new_rank_of: dict[int, int], host: str, *, only_after: int | None = None
+    client: Any, info: Any, new_rank_of: dict[int, int], host: str, timeout: timedelta, *, only_after: int | None = None
 ) -> int | None:
-    """Publish the generation of the processes of ``info`` that have a new rank (all kept), its store on ``host``
-    (with ``only_after``: only if that is still the latest generation, else None; see ``publish_generation``)."""
+    """Publish the generation of the processes of ``info`` that have a new rank (all kept), with its store hosted by
+    this process (their new rank 0) on ``host``; with ``only_after``: only if that is still the latest generation,
+    else None (see ``publish_generation``). The holders are committed to it (:mod:`~lightning_emig.membership.admission`).
+    """
     nodes = [
         NodeEntry(node_id=n.node_id, ranks=tuple(new_rank_of[r] for r in n.ranks), kept_workers=True)
         for n in info.nodes if all(r in new_rank_of for r in n.ranks)
     ]
-    return publish_generation(client, nodes=nodes, world_size=len(new_rank_of), master_addr=host,
-                              master_port=_free_port(host), rendezvous_seconds=0.0, only_after=only_after)
+    store = host_generation_store(host, timeout)
+    published = publish_generation(client, nodes=nodes, world_size=len(new_rank_of), master_addr=host,
+                                   master_port=store.port, rendezvous_seconds=0.0, only_after=only_after)
+    if published is not None:
+        keep_hosted_store(published, store)
+        commit_generation(client, published)
+    return published
 
 
 def _joined_meanwhile(client: Any, info: Any, leaving: list[str]) -> tuple[int | None, int]:
     """A generation the agents published after ``info`` (nodes joined) that holds every surviving node and none of
-    the leavers — the survivors go straight into it — or None; and the latest generation seen. (One that still holds
-    a leaver is joined first and the leaver drained there: the
-    :class:`~lightning_emig.strategy.rendezvous.RendezvousCallback` waits for it.)"""
+    the leavers, and whose joiners are ready — the survivors go straight into it — or None; and the latest
+    generation seen. (One that still holds a leaver is joined first and the leaver drained there, when its joiners
+    are ready: see :class:`~lightning_emig.strategy.rendezvous.RendezvousCallback`. Joiners of a generation the
+    survivors do not go into are left out and rejoin: see :mod:`~lightning_emig.membership.admission`.)"""
     latest = latest_generation(client)
     if latest <= info.generation:
         return None, latest
-    newer = {node.node_id for node in read_generation(client, latest).nodes}
+    newer = read_generation(client, latest)
+    nodes = {node.node_id for node in newer.nodes}
     staying = {node.node_id for node in info.nodes} - set(leaving)
-    return (latest if staying <= newer and not newer & set(leaving) else None), latest
+    fits = staying <= nodes and not nodes & set(leaving) and joiners_ready(client, newer, info)
+    return (latest if fits else None), latest
 
 
 def _publish_survivors_or_join(
-    client: Any, info: Any, new_rank_of: dict[int, int], host: str, leaving: list[str], seen_latest: int
+    client: Any, info: Any, new_rank_of: dict[int, int], host: str, leaving: list[str], seen_latest: int,
+    timeout: timedelta,
 ) -> int:
     """New rank 0: the generation the survivors go into. Theirs is published only if no round was published since
-    ``seen_latest``: a round the agents publish meanwhile (a node joining) starts its joiners' workers into it, and a
-    survivors' generation numbered after it would leave them waiting for a group nobody forms."""
-    published = publish_survivors(client, info, new_rank_of, host, only_after=seen_latest)
+    ``seen_latest``: a round the agents publish meanwhile (a node joining) starts its joiners' workers into it, and
+    the survivors go into it if they can; else theirs comes after it (its joiners are left out and rejoin)."""
+    published = publish_survivors(client, info, new_rank_of, host, timeout, only_after=seen_latest)
     if published is not None:
         return published
     joined, latest = _joined_meanwhile(client, info, leaving)
     if joined is not None:
         log.warning("generation %d was published during the drain: the survivors go into it", joined)
+        commit_generation(client, joined)
         return joined
-    log.warning("generation %d, published during the drain, still holds a leaving node; the survivors' generation "
-                "comes after it (its joiners, if any, join later)", latest)
-    published = publish_survivors(client, info, new_rank_of, host)
+    log.warning("generation %d, published during the drain, holds a leaving node or joiners not ready yet; the "
+                "survivors' generation comes after it (its joiners rejoin)", latest)
+    published = publish_survivors(client, info, new_rank_of, host, timeout)
     assert published is not None
     return published
 
@@ -145,7 +154,8 @@ def drain_leavers(trainer: pl.Trainer, client: Any, handoff: LiveHandoff) -> Liv
     if rank == master and pending is None:
         host = info.master_addr if master == 0 else node_host(node_of[master])
         own_client = client if client is not None else control_client_from_env()
-        box[0] = _publish_survivors_or_join(own_client, info, new_rank_of, host, leaving, seen_latest)
+        box[0] = _publish_survivors_or_join(own_client, info, new_rank_of, host, leaving, seen_latest,
+                                            strategy.timeout)
     if pending is None:
         dist.broadcast_object_list(box, src=master)
     new_generation = int(box[0])

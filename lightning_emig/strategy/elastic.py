@@ -44,9 +44,9 @@ from lightning_emig.launcher.generation import (
 )
 from lightning_emig.launcher.orphans import die_with_parent
 from lightning_emig.layout import HybridLayout, LayoutMesh, build_mesh
+from lightning_emig.membership.admission import await_admission
 from lightning_emig.membership.failure import FailureSettings
 from lightning_emig.membership.group import (
-    announce_ready,
     enter_generation,
     joining_live,
     under_launcher,
@@ -290,17 +290,21 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             self._note_rollback(step=0, load_seconds=0.0)  # no checkpoint: the fit starts over from step 0
 
     def _form_generation_group(self) -> None:
-        """Under lightning-emig-run, after a live change, torchrun's env:// rendezvous no longer applies."""
+        """Under lightning-emig-run, after a live change, torchrun's env:// rendezvous no longer applies. A joiner
+        forms the generation the state holders commit to (not always the one it was started into: rounds overlap,
+        see :mod:`~lightning_emig.membership.admission`)."""
         import torch.distributed as dist
 
         if dist.is_initialized() or not under_launcher() or not (self.generation > 0 or self.live_join):
             return
         client = control_client_from_env()
-        info = read_generation(client, self.generation)
+        node_id, local_rank = os.environ[ENV_NODE_ID], int(os.environ["LOCAL_RANK"])
         if self.live_join and self._incoming_handoff is None:
-            announce_ready(client, self.generation)
+            patience = self.timeout.total_seconds() + self.failure_settings.failure_timeout_s
+            self.generation = await_admission(client, node_id, local_rank, started_in=self.generation,
+                                              timeout_s=patience)
         backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
-        enter_generation(info, os.environ[ENV_NODE_ID], int(os.environ["LOCAL_RANK"]), backend, self.timeout)
+        enter_generation(read_generation(client, self.generation), node_id, local_rank, backend, self.timeout)
 
     def install_mesh(self, layout_mesh: LayoutMesh, plan: BatchPlan) -> None:
         self._layout_mesh = layout_mesh

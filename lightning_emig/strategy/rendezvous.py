@@ -36,7 +36,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from typing_extensions import override
 
 from lightning_emig.launcher.generation import control_client_from_env, latest_generation, read_generation
-from lightning_emig.membership.group import joiners_ready, under_launcher
+from lightning_emig.membership.admission import commit_generation, joiners_ready
+from lightning_emig.membership.group import under_launcher
 from lightning_emig.membership.handoff import LiveHandoff
 from lightning_emig.membership.preempt import drain_leavers, leaving_nodes
 from lightning_emig.migration.state import training_state
@@ -109,6 +110,8 @@ class RendezvousCallback(Callback):
             return
         if latest <= strategy.generation:
             return
+        if trainer.global_rank == 0:  # the agreed number is rank 0's: joiners waiting for admission read it
+            commit_generation(self._client, latest)
         handoff = stash
         handoff.generation, handoff.phase_started = latest, time.perf_counter()
         handoff.seconds.update(detect=detect, agree=agree)
@@ -140,6 +143,8 @@ class RendezvousCallback(Callback):
         latest = int(agreed.item())
         if latest <= strategy.generation or strategy.last_boundary is None:
             return
+        if trainer.global_rank == 0:
+            commit_generation(self._client, latest)
         handoff = strategy.last_boundary
         handoff.generation, handoff.phase_started = latest, time.perf_counter()
         strategy.pending_handoff = handoff
@@ -151,8 +156,9 @@ class RendezvousCallback(Callback):
         if self._client is None:
             self._client = control_client_from_env(timeout_s=self.store_timeout_s)
         deadline = time.monotonic() + self.joiner_wait_s
+        holders = read_generation(self._client, current)
         while (latest := latest_generation(self._client)) > current:
-            if joiners_ready(self._client, read_generation(self._client, latest)):
+            if joiners_ready(self._client, read_generation(self._client, latest), holders):
                 return latest
             if time.monotonic() > deadline:
                 log.warning("generation %d: joiners not ready %.0fs after training ended; finishing without them",
@@ -170,17 +176,21 @@ class RendezvousCallback(Callback):
         if self._client is None:
             self._client = control_client_from_env(timeout_s=self.store_timeout_s)
         leaving = set(leaving_nodes(self._client, current))
-        latest = latest_generation(self._client)
-        if leaving and latest > current and leaving & {n.node_id for n in read_generation(self._client, latest).nodes}:
-            leaving = set()  # a round kept the leaver (its notice came later): join that generation, drain it there
-        return self._newest_ready(current, now), 1 if leaving else 0
+        newest = self._newest_ready(current, now)
+        if leaving and newest > current and leaving & {n.node_id for n in read_generation(self._client, newest).nodes}:
+            # A round kept the leaver (its notice came later) and its joiners are ready: join that generation first,
+            # drain the leaver there. (A round whose joiners are not ready yet waits: the drain goes first, they
+            # rejoin.)
+            leaving = set()
+        return newest, 1 if leaving else 0
 
     def _newest_ready(self, current: int, now: float) -> int:
         latest = latest_generation(self._client)
         if latest <= current:
             return current
         first_seen = self._seen.setdefault(latest, now)
-        if joiners_ready(self._client, read_generation(self._client, latest)):
+        newest = read_generation(self._client, latest)
+        if joiners_ready(self._client, newest, read_generation(self._client, current)):
             log.info("generation %d: joiners ready %.2fs after it was seen; training went on meanwhile",
                      latest, now - first_seen)
             return latest

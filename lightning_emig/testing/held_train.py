@@ -14,6 +14,12 @@ race of two membership events in end-to-end tests, so a test hits it on any mach
   without it a slow joiner may miss a short run). Only for worlds of one process: the others would wait inside a
   collective meanwhile.
 
+* ``LIGHTNING_EMIG_TEST_HOLD_ADMISSION_UNTIL_GENERATION=N``: a worker started into a live generation announces itself
+  ready (and waits for admission) only once generation ``N`` or a newer one is published: a joiner still starting
+  up while the next round or a drain happens, on any machine.
+* ``LIGHTNING_EMIG_TEST_HOLD_TRAINING_UNTIL_GENERATION=N``: while the world is one process and runs in a generation
+  before ``N``, rank 0's membership check waits until generation ``N`` is published and its joining workers are ready
+  (a short run cannot end before a sequence of rounds has played out).
 * ``LIGHTNING_EMIG_TEST_HOLD_AT_STEPS=20,60`` with ``LIGHTNING_EMIG_TEST_HOLD_DIR=D``: global rank 0 stops at each of
   these optimizer steps (at the step boundary, before the membership check) and logs ``test hold: step N``, until
   the test creates ``D/release-N``: the test acts (starts a node, sends a notice, kills a worker) while training is
@@ -35,28 +41,31 @@ from typing import Any
 ENV_HOLD_UNTIL_GENERATION = "LIGHTNING_EMIG_TEST_HOLD_UNTIL_GENERATION"
 ENV_HOLD_LEAVING_EXIT = "LIGHTNING_EMIG_TEST_HOLD_LEAVING_EXIT"
 ENV_HOLD_STEPS_FOR_JOINERS = "LIGHTNING_EMIG_TEST_HOLD_STEPS_FOR_JOINERS"
+ENV_HOLD_ADMISSION_UNTIL_GENERATION = "LIGHTNING_EMIG_TEST_HOLD_ADMISSION_UNTIL_GENERATION"
+ENV_HOLD_TRAINING_UNTIL_GENERATION = "LIGHTNING_EMIG_TEST_HOLD_TRAINING_UNTIL_GENERATION"
 HOLD_TIMEOUT_S = 120.0
 
 log = logging.getLogger(__name__)
 
 
-def _wait_for_generation(what: str, newer_than: int, timeout_s: float, *, joiners: bool = False) -> bool:
-    """Block until the control store's latest generation exceeds ``newer_than`` (with ``joiners``: and its joining
-    workers are ready). False after the timeout."""
+def _wait_for_generation(what: str, newer_than: int, timeout_s: float, *, joiners_of: int | None = None) -> bool:
+    """Block until the control store's latest generation exceeds ``newer_than`` (with ``joiners_of``: and its
+    workers that are not in that generation, the holders', are ready). False after the timeout."""
     from lightning_emig.launcher.generation import control_client_from_env, latest_generation, read_generation
-    from lightning_emig.membership.group import joiners_ready
+    from lightning_emig.membership.admission import joiners_ready
 
     client = control_client_from_env()
 
     def reached() -> bool:
         latest = latest_generation(client)
-        return latest > newer_than and (not joiners or joiners_ready(client, read_generation(client, latest)))
+        return latest > newer_than and (joiners_of is None or joiners_ready(
+            client, read_generation(client, latest), read_generation(client, joiners_of)))
 
     started = time.monotonic()
     if reached():
         return True
     log.warning("test hold: %s waits until generation %d is published%s", what, newer_than + 1,
-                " and its joiners are ready" if joiners else "")
+                " and its joiners are ready" if joiners_of is not None else "")
     while not reached():
         if time.monotonic() - started > timeout_s:
             log.warning("test hold: no generation after %d within %.0fs (%s); going on", newer_than, timeout_s, what)
@@ -74,11 +83,25 @@ def hold_live_migrations(until_generation: int, timeout_s: float = HOLD_TIMEOUT_
     execute_change = live_join.execute_change
 
     def held_execute_change(*args: Any, **kwargs: Any) -> Any:
-        if not _wait_for_generation("live migration", until_generation - 1, timeout_s, joiners=True):
+        if not _wait_for_generation("live migration", until_generation - 1, timeout_s,
+                                    joiners_of=until_generation - 1):
             raise RuntimeError(f"test hold: generation {until_generation} never came")
         return execute_change(*args, **kwargs)
 
     live_join.execute_change = held_execute_change
+
+
+def hold_admission(until_generation: int, timeout_s: float = HOLD_TIMEOUT_S) -> None:
+    """A joiner's start-up ends only once generation ``until_generation`` is published (see the module docstring)."""
+    from lightning_emig.strategy import elastic
+
+    await_admission = elastic.await_admission
+
+    def held_await_admission(*args: Any, **kwargs: Any) -> int:
+        _wait_for_generation("joiner start-up", until_generation - 1, timeout_s)
+        return await_admission(*args, **kwargs)
+
+    elastic.await_admission = held_await_admission
 
 
 _handed_to: list[int] = []
@@ -115,9 +138,25 @@ def hold_steps_for_joiners(timeout_s: float = HOLD_TIMEOUT_S) -> None:
     def held_newest_ready(self: Any, current: int, now: float) -> int:
         newer = newest_ready(self, current, now)
         if newer == current and latest_generation(self._client) > current:  # seen, its joiners not ready yet
-            _wait_for_generation("training", current, timeout_s, joiners=True)
+            _wait_for_generation("training", current, timeout_s, joiners_of=current)
             return newest_ready(self, current, time.monotonic())
         return newer
+
+    RendezvousCallback._newest_ready = held_newest_ready  # type: ignore[method-assign]  # noqa: SLF001
+
+
+def hold_training_until(generation: int, timeout_s: float = HOLD_TIMEOUT_S) -> None:
+    """In a world of one process, rank 0's poll waits until ``generation`` is published and its joiners are ready."""
+    import torch.distributed as dist
+
+    from lightning_emig.strategy.rendezvous import RendezvousCallback
+
+    newest_ready = RendezvousCallback._newest_ready  # noqa: SLF001 - the seam this hold pins
+
+    def held_newest_ready(self: Any, current: int, now: float) -> int:
+        if current < generation and dist.get_world_size() == 1:
+            _wait_for_generation("training", generation - 1, timeout_s, joiners_of=current)
+        return newest_ready(self, current, now)
 
     RendezvousCallback._newest_ready = held_newest_ready  # type: ignore[method-assign]  # noqa: SLF001
 
@@ -157,6 +196,12 @@ def main() -> None:
     until = os.environ.get(ENV_HOLD_UNTIL_GENERATION)
     if until:
         hold_live_migrations(int(until))
+    admission = os.environ.get(ENV_HOLD_ADMISSION_UNTIL_GENERATION)
+    if admission:
+        hold_admission(int(admission))
+    training_until = os.environ.get(ENV_HOLD_TRAINING_UNTIL_GENERATION)
+    if training_until:
+        hold_training_until(int(training_until))
     if os.environ.get(ENV_HOLD_STEPS_FOR_JOINERS) == "1":
         hold_steps_for_joiners()
     hold_exit = os.environ.get(ENV_HOLD_LEAVING_EXIT) == "1"

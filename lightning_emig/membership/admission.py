@@ -1,0 +1,98 @@
+"""Admission: which generation the state holders are in, and how a worker started into a later one gets in.
+
+Rendezvous rounds overlap. A node joins (the agents publish generation ``N``, its worker starts up, which takes
+seconds); before that worker is ready another node joins, and the agents publish ``N+1``, listing the first
+joiner's still-starting worker among the *kept* workers (its agent keeps it running). The workers that hold the
+state may then form ``N+1`` and never ``N``; a drain or the survivors of a failure may publish a generation of their
+own without it. So a worker started into a live generation does not form the generation it was started into: it
+forms the one the holders *commit* to, once one includes it.
+
+Keys under the control prefix (see :mod:`lightning_emig.launcher.generation`):
+
+* ``ready/<node_id>/<local_rank>``: set by a worker started into a live generation once its start-up is done
+  (interpreter, imports, its run built), right before it waits for admission; deleted by its agent before it starts
+  a worker with that local rank (a fresh process is not ready).
+* ``active_generation``: the generation the state holders form next (or are in). Only the holders' rank 0 writes it
+  (the new rank 0 after a drain or a failure), before any holder forms that generation's group, and it only grows.
+
+The rules:
+
+* the holders go into a newer generation only once every worker of it that is not one of theirs is ready
+  (:func:`joiners_ready`): a joiner's start-up costs no downtime, however the rounds interleave;
+* a joiner forms the first committed generation that includes it (:func:`await_admission`); when the holders commit
+  to a generation at or past the one it was started into without it, it is *left out*: it exits with
+  :data:`LEFT_OUT_EXIT_CODE`, and its agent brings a fresh worker back in through a new rendezvous round (not a
+  failure: no restart is spent, nothing is marked dead).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch.distributed as dist
+
+from lightning_emig.launcher.generation import (
+    ACTIVE_GENERATION_KEY,
+    LEFT_OUT_EXIT_CODE,
+    GenerationError,
+    GenerationInfo,
+    raise_key,
+    read_generation,
+    ready_key,
+)
+
+log = logging.getLogger(__name__)
+
+
+class LeftOutError(SystemExit):
+    """The holders committed to a generation without this joiner: the process exits with LEFT_OUT_EXIT_CODE."""
+
+    def __init__(self) -> None:
+        super().__init__(LEFT_OUT_EXIT_CODE)
+
+
+def joiners_ready(client: dist.Store, info: GenerationInfo, holders: GenerationInfo) -> bool:
+    """Every worker of ``info`` that is not a worker of ``holders`` (the generation the state holders are in) has
+    announced its start-up done."""
+    members = {(node.node_id, local_rank) for node in holders.nodes for local_rank in range(len(node.ranks))}
+    joiners = [(node.node_id, local_rank) for node in info.nodes for local_rank in range(len(node.ranks))
+               if (node.node_id, local_rank) not in members]
+    return all(client.check([ready_key(*joiner)]) for joiner in joiners)
+
+
+def commit_generation(client: dist.Store, generation: int) -> None:
+    """The holders' rank 0: they form ``generation`` next (joiners waiting for admission read it)."""
+    raise_key(client, ACTIVE_GENERATION_KEY, generation)
+
+
+def active_generation(client: dist.Store) -> int:
+    """The generation the holders committed to last, or -1."""
+    return int(client.get(ACTIVE_GENERATION_KEY)) if client.check([ACTIVE_GENERATION_KEY]) else -1
+
+
+def await_admission(client: dist.Store, node_id: str, local_rank: int, *, started_in: int, timeout_s: float,
+                    poll_s: float = 0.1) -> int:
+    """A joiner whose start-up is done: announce it, then wait for the generation to form (see the module
+    docstring). Raises :class:`LeftOutError` when the holders went on without this worker."""
+    client.set(ready_key(node_id, local_rank), str(started_in))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        active = active_generation(client)
+        if active >= started_in:
+            info = read_generation(client, active)
+            if any(node.node_id == node_id and local_rank < len(node.ranks) for node in info.nodes):
+                if active != started_in:
+                    log.warning("started into generation %d; the workers holding the state went into generation %d "
+                                "(rounds overlapped): forming that one", started_in, active)
+                return active
+            log.error("the workers holding the state went into generation %d without this worker (started into %d): "
+                      "leaving, so that this node's agent brings it back in through a new round", active, started_in)
+            client.delete_key(ready_key(node_id, local_rank))
+            raise LeftOutError
+        if time.monotonic() > deadline:
+            raise GenerationError(
+                f"started into generation {started_in}, ready, and no generation including this worker was formed "
+                f"by the workers holding the state within {timeout_s:.0f}s (latest they committed to: {active})"
+            )
+        time.sleep(poll_s)

@@ -1,0 +1,133 @@
+"""Admission into overlapping rounds (lightning_emig.membership.admission), on an in-memory control store.
+
+The case from the field: two joins ten seconds apart. The agents publish generation 1 (A holds the state, B joins);
+B's worker is still starting when C joins, and the agents publish generation 2, listing B's worker among the kept
+ones. A must wait for both B and C, and B must form generation 2, not the generation 1 nobody forms.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from lightning_emig.launcher.generation import (
+    LEFT_OUT_EXIT_CODE,
+    GenerationError,
+    NodeEntry,
+    publish_generation,
+    read_generation,
+    ready_key,
+)
+from lightning_emig.membership.admission import (
+    LeftOutError,
+    active_generation,
+    await_admission,
+    commit_generation,
+    joiners_ready,
+)
+
+
+def _publish(store: dist.Store, *nodes: tuple[str, bool]) -> int:
+    entries = [NodeEntry(node_id=n, ranks=(r,), kept_workers=k) for r, (n, k) in enumerate(nodes)]
+    generation = publish_generation(store, nodes=entries, world_size=len(entries), master_addr="127.0.0.1",
+                                    master_port=1, rendezvous_seconds=0.0)
+    assert generation is not None
+    return generation
+
+
+@pytest.fixture
+def two_joins_apart() -> dist.Store:
+    """Generation 0: A. Generation 1: A kept, B started. Generation 2: A and B kept (B still starting), C started."""
+    store = dist.HashStore()
+    _publish(store, ("a", False))
+    commit_generation(store, 0)
+    _publish(store, ("a", True), ("b", False))
+    _publish(store, ("a", True), ("b", True), ("c", False))
+    return store
+
+
+def test_the_holders_wait_for_every_worker_that_is_not_theirs_whatever_its_entry_says(two_joins_apart) -> None:
+    store = two_joins_apart
+    holders, newest = read_generation(store, 0), read_generation(store, 2)
+    store.set(ready_key("c", 0), "2")
+    assert not joiners_ready(store, newest, holders)  # B is listed as kept, but A does not hold it: it is a joiner
+    store.set(ready_key("b", 0), "1")
+    assert joiners_ready(store, newest, holders)
+    assert joiners_ready(store, newest, read_generation(store, 1))  # holders of 1 (A, B): only C joins
+
+
+def test_a_joiner_forms_the_generation_the_holders_commit_to_not_the_one_it_was_started_into(two_joins_apart) -> None:
+    store = two_joins_apart
+    formed: list[int] = []
+    waiter = threading.Thread(target=lambda: formed.append(
+        await_admission(store, "b", 0, started_in=1, timeout_s=30, poll_s=0.01)))
+    waiter.start()
+    while not store.check([ready_key("b", 0)]):  # B announces itself ready before it waits
+        threading.Event().wait(0.01)
+    assert waiter.is_alive()  # nothing committed past 0 yet: B waits
+    commit_generation(store, 2)
+    waiter.join(timeout=10)
+    assert formed == [2]
+    commit_generation(store, 1)  # the commitment only grows
+    assert active_generation(store) == 2
+
+
+def test_a_joiner_the_holders_went_on_without_is_left_out_and_its_agent_rejoins(two_joins_apart) -> None:
+    store = two_joins_apart
+    survivors = _publish(store, ("a", True))  # e.g. a drain published A's own generation after both rounds
+    commit_generation(store, survivors)
+    with pytest.raises(LeftOutError) as left_out:
+        await_admission(store, "c", 0, started_in=2, timeout_s=30, poll_s=0.01)
+    assert left_out.value.code == LEFT_OUT_EXIT_CODE
+    assert not store.check([ready_key("c", 0)])  # a process on its way out is not ready
+
+
+def test_a_joiner_that_is_never_admitted_says_what_it_waited_for(two_joins_apart) -> None:
+    with pytest.raises(GenerationError, match="started into generation 2, ready, and no generation including this "
+                                              r"worker .* within 0s \(latest they committed to: 0\)"):
+        await_admission(two_joins_apart, "c", 0, started_in=2, timeout_s=0.2, poll_s=0.01)
+
+
+def test_the_agent_rejoins_only_when_every_failed_worker_was_left_out() -> None:
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from lightning_emig.launcher.agent import _left_out
+
+    def failed(*codes: int) -> RunResult:
+        failures = {}
+        for rank, code in enumerate(codes):
+            failure = ProcessFailure.__new__(ProcessFailure)
+            failure.exitcode = code
+            failures[rank] = failure
+        return RunResult(state=WorkerState.FAILED, failures=failures)
+
+    assert _left_out(failed(LEFT_OUT_EXIT_CODE, LEFT_OUT_EXIT_CODE))
+    assert not _left_out(failed(LEFT_OUT_EXIT_CODE, 1))
+    assert not _left_out(failed(-9))
+    assert not _left_out(RunResult(state=WorkerState.FAILED))
+
+
+def test_the_survivors_generation_is_published_with_the_store_its_rank_0_already_hosts() -> None:
+    """No free-port race: the port published is one the publisher bound before publishing, and forming the group
+    uses that very store."""
+    from lightning_emig.membership.group import form_generation_group
+    from lightning_emig.membership.preempt import publish_survivors
+
+    store = dist.HashStore()
+    _publish(store, ("a", False), ("b", False))
+    generation = publish_survivors(store, read_generation(store, 0), {0: 0}, "127.0.0.1", timedelta(seconds=10))
+    assert generation is not None and active_generation(store) == generation
+    info = read_generation(store, generation)
+    with pytest.raises(Exception):  # noqa: B017, PT011 - the port is taken: by our own hosted store
+        dist.TCPStore(info.master_addr, info.master_port, is_master=True, wait_for_workers=False,
+                      timeout=timedelta(seconds=2))
+    form_generation_group(info, 0, "gloo", timedelta(seconds=10))
+    try:
+        assert dist.get_world_size() == 1
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
