@@ -361,3 +361,27 @@ def test_latest_generation_only_grows_whoever_publishes_last() -> None:
     for published, expected in ((0, 0), (3, 3), (2, 3), (4, 4)):  # a slower publisher of 2 must not undo 3
         _raise_latest(store, published)
         assert latest_generation(store) == expected
+
+
+def test_an_agent_knows_whether_it_hosts_the_rendezvous_store_and_warns_when_that_node_gets_a_notice(caplog) -> None:
+    """With c10d one agent hosts the job's store; a notice to that node is the one departure the job cannot survive,
+    and the agent says so (the others say nothing)."""
+    import logging
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from lightning_emig.launcher.agent import MembershipAgent
+    from lightning_emig.launcher.store_host import hosts_port
+    from lightning_emig.testing.distributed import free_port
+
+    hosted = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    elsewhere = free_port()
+    assert hosts_port(hosted.port) is True
+    assert hosts_port(elsewhere) is False
+    with caplog.at_level(logging.ERROR, logger="lightning_emig.launcher.agent"):
+        MembershipAgent._warn_if_store_host(SimpleNamespace(node_id="n", _control_address=f"127.0.0.1:{elsewhere}"))
+        assert not caplog.records
+        MembershipAgent._warn_if_store_host(SimpleNamespace(node_id="n", _control_address=f"127.0.0.1:{hosted.port}"))
+    assert "THIS NODE HOSTS THE RENDEZVOUS STORE" in caplog.text

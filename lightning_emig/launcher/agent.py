@@ -67,6 +67,7 @@ from lightning_emig.launcher.generation import (
     restart_key,
     worker_env,
 )
+from lightning_emig.launcher.store_host import hosts_port
 
 logger = logging.getLogger(__name__)
 
@@ -313,12 +314,23 @@ class MembershipAgent(LocalElasticAgent):
                 self._control.set(leaving_key(self.node_id), json.dumps({"deadline": time.time() + self.grace_s}))
             logger.warning("[%s] preemption notice: workers hand off their state and exit within %.0fs",
                            self.node_id, self.grace_s)
+            self._warn_if_store_host()
         elif time.monotonic() > self._leaving_deadline:
             logger.error(
                 "[%s] PREEMPTION GRACE PERIOD OF %.0fs RAN OUT before the workers handed off their state: killing "
                 "them; for the survivors this is an abrupt failure", self.node_id, self.grace_s,
             )
             raise SignalException("preemption grace period ran out", sigval=signal.SIGTERM)
+
+    def _warn_if_store_host(self) -> None:
+        """The c10d backend's store lives in one agent: when that node goes, the job's control store goes too."""
+        port = int(self._control_address.rpartition(":")[2] or 0)
+        if port and hosts_port(port):
+            logger.error(
+                "[%s] THIS NODE HOSTS THE RENDEZVOUS STORE (--rdzv-backend=c10d, port %d): when it leaves, every other "
+                "node loses the job's store and the job ends. Pin the store to a node that is not preempted "
+                "(--rdzv-conf=is_host=true on that node only).", self.node_id, port,
+            )
 
     def _exit_barrier(self) -> None:
         if self._leaving_deadline is not None:
