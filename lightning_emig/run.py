@@ -65,7 +65,23 @@ def _show_launcher_log() -> None:
         log.propagate = False
 
 
+def check_nnodes(argv: Sequence[str] | None) -> None:
+    """Refuse ``--nnodes`` that cannot hold a job's state (torch's own check is a bare assertion)."""
+    args = torch_run.parse_args(None if argv is None else list(argv))
+    try:
+        low, high = torch_run.parse_min_max_nnodes(args.nnodes)
+    except (RuntimeError, ValueError):
+        raise SystemExit(f"lightning-emig-run: --nnodes={args.nnodes!r} is neither N nor MIN:MAX") from None
+    if low < 1 or high < low:
+        raise SystemExit(
+            f"lightning-emig-run: --nnodes={args.nnodes} cannot work: MIN must be at least 1 (a job with no node left "
+            "has nobody to hold its state; below MIN the survivors wait for joiners) and MAX at least MIN, "
+            "e.g. --nnodes=1:4"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
+    check_nnodes(argv)
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     _show_launcher_log()
     with install_agent():

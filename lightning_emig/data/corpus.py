@@ -78,8 +78,14 @@ def ensure_stdlib_corpus(
     path = directory / f"stdlib-py{version}-{_content_key(root, files, max_bytes)}.bin"
     if path.is_file() and path.stat().st_size > 0:
         return path
-    directory.mkdir(parents=True, exist_ok=True)
-    _write_atomically(path, _concatenate(files, max_bytes))
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        _write_atomically(path, _concatenate(files, max_bytes))
+    except OSError as exc:
+        raise CorpusError(
+            f"cannot write the corpus cache in {directory} ({exc.strerror or exc}): set data.cache_dir (or "
+            f"${CACHE_ENV}) to a directory this user can create and write"
+        ) from exc
     return path
 
 

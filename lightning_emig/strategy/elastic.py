@@ -69,7 +69,7 @@ from lightning_emig.strategy.events import publish_event
 from lightning_emig.strategy.live_join import join_live
 from lightning_emig.strategy.reconfigure import ReconfigureEvent, check_rebuilt, reconfigure_live
 from lightning_emig.strategy.rendezvous import RendezvousCallback
-from lightning_emig.strategy.resume import restart_reason
+from lightning_emig.strategy.resume import check_checkpoint_matches, restart_reason
 from lightning_emig.strategy.rng import gather_rng_states, restore_rng_for_rank
 from lightning_emig.strategy.sharded_load import holds_dtensors, load_sharded_into_plain_model
 
@@ -502,6 +502,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
     def _load_checkpoint_contents(self, checkpoint_path: _PATH) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path)).resolve()  # every rank reads the same checkpoint
         assert self.lightning_module is not None
+        check_checkpoint_matches(path, self.lightning_module)  # every rank reads the same metadata: all refuse
         if path.is_dir() and not holds_dtensors(self.lightning_module):  # one process: no FSDP2, no TP
             return load_sharded_into_plain_model(path, self.lightning_module, self.optimizers,
                                                  strict=self.lightning_module.strict_loading)

@@ -29,6 +29,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,39 @@ def newest_checkpoint(checkpoint_dir: Path) -> FoundCheckpoint | None:
     if is_complete(last):
         return FoundCheckpoint(last, _saved_step(last))
     return None
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint written by another model (other tensors, or other shapes): refused before anything loads."""
+
+
+_MODEL_PREFIX = "state_dict."  # where Lightning's sharded checkpoints keep the module's state_dict
+
+
+def check_checkpoint_matches(path: Path, module: Any) -> None:
+    """Refuse a sharded checkpoint whose model tensors are not this module's (names and global shapes), with what
+    differs and what to do; the checkpoint's metadata alone is read, so nothing is loaded, trained or overwritten.
+    With ``module.strict_loading`` off only the shapes of the tensors both hold are compared."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not path.is_dir():
+        return  # a single-file checkpoint: torch.load's own errors apply
+    saved = {key.removeprefix(_MODEL_PREFIX): tuple(meta.size)
+             for key, meta in FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
+             if key.startswith(_MODEL_PREFIX) and hasattr(meta, "size")}
+    ours = {key: tuple(tensor.shape) for key, tensor in module.state_dict().items()}
+    problems = [f"{key}: saved {list(saved[key])}, this model {list(shape)}"
+                for key, shape in ours.items() if key in saved and saved[key] != shape]
+    if getattr(module, "strict_loading", True):
+        problems += [f"{key}: not in the checkpoint" for key in ours if key not in saved]
+        problems += [f"{key}: in the checkpoint, not in this model" for key in saved if key not in ours]
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise CheckpointMismatchError(
+            f"checkpoint {path} was written by another model ({len(problems)} tensor(s) differ: {shown}). Resume it "
+            "with the model configuration it was written with, or start this run elsewhere (another run directory "
+            "or ModelCheckpoint dirpath, run.resume=null); nothing was loaded or overwritten"
+        )
 
 
 def _saved_step(path: Path) -> int:
