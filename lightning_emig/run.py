@@ -24,7 +24,7 @@ import torch.distributed.launcher.api as launcher_api
 import torch.distributed.run as torch_run
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from lightning_emig.launcher.agent import MembershipAgent
+from lightning_emig.launcher.agent import ENV_RDZV_ENDPOINT, MembershipAgent
 
 SEAM = "torch.distributed.launcher.api.LocalElasticAgent"
 
@@ -65,9 +65,11 @@ def _show_launcher_log() -> None:
         log.propagate = False
 
 
-def check_nnodes(argv: Sequence[str] | None) -> None:
-    """Refuse ``--nnodes`` that cannot hold a job's state (torch's own check is a bare assertion)."""
+def check_arguments(argv: Sequence[str] | None) -> None:
+    """Refuse ``--nnodes`` that cannot hold a job's state (torch's own check is a bare assertion); tell the agent the
+    rendezvous endpoint (with etcd-v2 it is also the control store)."""
     args = torch_run.parse_args(None if argv is None else list(argv))
+    os.environ[ENV_RDZV_ENDPOINT] = args.rdzv_endpoint or ""
     try:
         low, high = torch_run.parse_min_max_nnodes(args.nnodes)
     except (RuntimeError, ValueError):
@@ -81,7 +83,7 @@ def check_nnodes(argv: Sequence[str] | None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    check_nnodes(argv)
+    check_arguments(argv)
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     _show_launcher_log()
     with install_agent():

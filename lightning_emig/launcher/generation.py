@@ -63,8 +63,9 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import timedelta
 from typing import TYPE_CHECKING
+
+from lightning_emig.launcher.control_store import ETCD_SCHEME, open_control_store, parse_host_port
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -255,17 +256,9 @@ class WorkerIdentity:
     """The generation the worker started in."""
     join_live: bool
     """Started into a generation where other workers kept running: receive state, do not initialise it."""
-    control_host: str
-    control_port: int
+    control_address: str
+    """``host:port`` (c10d) or ``etcd://host:port`` (etcd-v2): see :mod:`lightning_emig.launcher.control_store`."""
     control_prefix: str
-
-
-def parse_host_port(address: str) -> tuple[str, int]:
-    """``"host:port"`` (or ``"[v6]:port"``) -> ``(host, port)``."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise GenerationError(f"expected host:port, got {address!r}")
-    return host.strip("[]"), int(port)
 
 
 def current_identity_from_env(env: Mapping[str, str] | None = None) -> WorkerIdentity:
@@ -277,10 +270,10 @@ def current_identity_from_env(env: Mapping[str, str] | None = None) -> WorkerIde
             f"{', '.join(missing)} not set: this process was not started by lightning-emig-run "
             "(plain torchrun has no live membership changes)"
         )
-    host, port = parse_host_port(env[ENV_CONTROL_STORE])
+    parse_host_port(env[ENV_CONTROL_STORE].removeprefix(ETCD_SCHEME))  # a malformed address fails here, by name
     return WorkerIdentity(
         node_id=env[ENV_NODE_ID], local_rank=int(env["LOCAL_RANK"]), generation=int(env[ENV_GENERATION]),
-        join_live=env.get(ENV_JOIN_LIVE, "0") == "1", control_host=host, control_port=port,
+        join_live=env.get(ENV_JOIN_LIVE, "0") == "1", control_address=env[ENV_CONTROL_STORE],
         control_prefix=env[ENV_CONTROL_PREFIX],
     )
 
@@ -313,14 +306,8 @@ def allowed_worlds_from_env(env: Mapping[str, str] | None = None) -> list[int]:
 
 def control_client_from_env(env: Mapping[str, str] | None = None, *, timeout_s: float = 60.0) -> Store:
     """A client of the control store, already under the run's prefix."""
-    import torch.distributed as dist
-
     identity = current_identity_from_env(env)
-    client = dist.TCPStore(
-        identity.control_host, identity.control_port, is_master=False, wait_for_workers=False,
-        timeout=timedelta(seconds=timeout_s),
-    )
-    return dist.PrefixStore(identity.control_prefix, client)
+    return open_control_store(identity.control_address, identity.control_prefix, timeout_s=timeout_s)
 
 
 def latest_generation(client: Store) -> int:

@@ -22,10 +22,13 @@ def start_node(
     log_dir: Path, name: str, *, local_addr: str, port: int, run_dir: Path, train_args: Sequence[str],
     nnodes: str = "1:2", rdzv_id: str = "live-train", rdzv_conf: str = "", env: Mapping[str, str] | None = None,
     max_restarts: int = 0, module: str = "lightning_emig.train", run_dir_args: Sequence[str] | None = None,
+    rdzv_backend: str = "c10d", rdzv_endpoint: str | None = None,
 ) -> subprocess.Popen:
     """One agent with one worker running ``python -m lightning_emig.train *train_args`` into ``run_dir``.
 
     ``rdzv_conf`` adds to ``last_call_timeout=2`` (e.g. ``is_host=true`` to pin the rendezvous store to a node).
+    ``rdzv_backend="etcd-v2"`` with ``rdzv_endpoint`` (an etcd server's ``host:port``) replaces the c10d store that
+    one agent hosts at ``127.0.0.1:port``.
     ``max_restarts`` is torchrun's: a node whose worker failed needs one to rejoin the job.
     ``module`` replaces ``lightning_emig.train`` (e.g. ``lightning_emig.testing.held_train``); ``run_dir_args``
     tell it the run directory (default ``hydra.run.dir=<run_dir>``; a user's script: ``--out <run_dir>``).
@@ -33,7 +36,8 @@ def start_node(
     conf = ",".join(filter(None, ["last_call_timeout=2", rdzv_conf]))
     cmd = [
         sys.executable, "-m", "lightning_emig.run", f"--nnodes={nnodes}", "--nproc-per-node=1",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv_id}",
+        f"--rdzv-backend={rdzv_backend}", f"--rdzv-endpoint={rdzv_endpoint or f'127.0.0.1:{port}'}",
+        f"--rdzv-id={rdzv_id}",
         f"--rdzv-conf={conf}", f"--local-addr={local_addr}", f"--max-restarts={max_restarts}",
         "--monitor-interval=0.2", "-m", module, *train_args,
         *(run_dir_args if run_dir_args is not None else [f"hydra.run.dir={run_dir}"]),
