@@ -9,8 +9,9 @@ describe the generation the worker *started* in and go stale after a live change
 
 * ``LIGHTNING_EMIG_NODE_ID``: stable id of the worker's agent (its node) for the agent's whole life,
   ``"<local addr>_<agent pid>"``. A worker's identity across generations is ``(node_id, LOCAL_RANK)``.
-* ``LIGHTNING_EMIG_CONTROL_STORE``: ``host:port`` of the control store, the c10d rendezvous store at the
-  rendezvous endpoint; workers open it as a client (:func:`control_client_from_env`).
+* ``LIGHTNING_EMIG_CONTROL_STORE``: the control store: ``host:port`` of the c10d rendezvous store at the rendezvous
+  endpoint, or ``etcd://host:port`` of the etcd-v2 rendezvous' server; workers open it as a client
+  (:func:`control_client_from_env`, :mod:`lightning_emig.launcher.control_store`).
 * ``LIGHTNING_EMIG_CONTROL_PREFIX``: every key below lives under it, ``"lightning_emig/<run_id>/"``.
 * ``LIGHTNING_EMIG_GENERATION``: the generation the worker starts in (``0`` for the first).
 * ``LIGHTNING_EMIG_JOIN_LIVE``: ``"1"`` when the worker starts into a generation in which other workers
