@@ -276,3 +276,68 @@ def test_workers_under_torchrun_terminate_on_sigterm(monkeypatch: pytest.MonkeyP
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(480)
+def test_failures_at_worlds_of_four_and_three_recover_live_or_roll_back(tmp_path: Path) -> None:
+    """Four nodes, ``layout=hsdp``, ``--nnodes=2:4``, a global batch of 24 (1, 2, 3 and 4 data-parallel ranks share
+    it). At step 20, in the world of four (2 replicas x 2 shards), node D's worker is killed: a survivor blocked in
+    FSDP's all-reduce on a mesh sub-group must fail at the configured timeout, not torch's 30 minutes, and the three
+    survivors rebuild D's shards from the replicas — no step lost — into a world of three (FSDP, no replicas). At step
+    45 node C is killed whole: C's shards have no copy, so A and B roll back to the step-40 checkpoint, one the world
+    of three saved after the live change, and finish as two."""
+    from lightning_emig.strategy.resume import is_complete
+    from lightning_emig.testing.ledger import check_ledger
+    from lightning_emig.testing.nodes import reference_losses
+
+    port = free_port()
+    run_dir = tmp_path / "run"
+    steps = 60
+    args = [*[a for a in TRAIN if not a.startswith(("trainer.global_batch_size", "trainer.max_steps"))],
+            "trainer.global_batch_size=24", f"trainer.max_steps={steps}", "layout=hsdp", "data.ledger=true"]
+    holds = {"LIGHTNING_EMIG_TEST_HOLD_AT_STEPS": "20,45", "LIGHTNING_EMIG_TEST_HOLD_DIR": str(tmp_path)}
+    addresses = {"a": "127.0.0.2", "b": "127.0.0.3", "c": "127.0.0.4", "d": "127.0.0.5"}
+    agents: dict[str, subprocess.Popen] = {}
+
+    def held_at(step: int) -> None:  # rank 0, whichever node it is on, holds at `step` until released
+        wait_for(lambda: any(f"test hold: step {step} waits" in _log(tmp_path, n, 10**6) for n in agents)
+                 or any(p.poll() not in (None, 0) for n, p in agents.items() if n in "ab"), 180,
+                 f"rank 0 never held at step {step}:\n" + "".join(_log(tmp_path, n) for n in agents))
+
+    try:
+        for name, addr in addresses.items():
+            agents[name] = start_node(tmp_path, name, local_addr=addr, port=port, run_dir=run_dir, nnodes="2:4",
+                                      rdzv_id="worlds-4-3", rdzv_conf=f"is_host={str(name == 'a').lower()}",
+                                      train_args=args, module="lightning_emig.testing.held_train", env=holds)
+        held_at(20)
+        assert "world 4 on 4 node(s)" in _log(tmp_path, "a", 10**6), "the four nodes never formed one world"
+        survivors = [p for n in "ab" for p in descendants(agents[n].pid) if is_alive(p)]
+        for pid in descendants(agents["d"].pid):
+            os.kill(pid, signal.SIGKILL)
+        (tmp_path / "release-20").touch()
+        held_at(45)
+        wait_for(lambda: is_complete(run_dir / "checkpoints" / "step000040.ckpt"), 60, "no step-40 checkpoint")
+        kill_tree(agents["c"].pid)
+        (tmp_path / "release-45").touch()
+        codes = wait_for_exit(tmp_path, agents, 240)
+        assert codes["a"] == codes["b"] == 0, "".join(_log(tmp_path, n) for n in "ab")
+        assert codes["d"] != 0 and "no restart left" in _log(tmp_path, "d", 10**6)
+    finally:
+        stop_agents(agents)
+
+    events = [e for e in read_events(run_dir) if e["kind"] == "failure"]
+    assert [(e["old_world"], e["new_world"], e["step"], e["steps_rolled_back"]) for e in events] == [
+        (4, 3, 20, 0), (3, 2, 40, 5)], events
+    assert [e["old_layout"]["dp_replicate"] for e in events] == [2, 1]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["pid"] in survivors and summary["world_size"] == 2
+    reference = reference_losses(tmp_path, [a for a in args if a != "layout=hsdp"])  # one process: no replicas
+    losses = summary["step_losses"]
+    assert sorted(int(k) for k in losses) == list(range(steps))
+    worst = max(abs(losses[k] - reference[k]) / abs(reference[k]) for k in reference)
+    assert worst < REL_TOL, f"loss curve departs from the reference by {worst:.2e} (relative)"
+    report = check_ledger(run_dir)
+    report.assert_exactly_once()
+    assert set(report.rolled_back_steps) <= set(range(20, 46)), report.describe()
