@@ -131,3 +131,24 @@ def test_the_survivors_generation_is_published_with_the_store_its_rank_0_already
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def test_a_generation_that_nobody_forms_fails_naming_what_was_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_emig.membership.group import enter_generation, generation_env
+    from lightning_emig.testing.distributed import free_port
+
+    info = read_generation(_store_with(("a", False), ("b", False), port=free_port()), 0)
+    for key in generation_env(info, "b", 0):  # entering rewrites torchrun's variables: restored after the test
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(GenerationError, match=r"rank 1 could not form generation 0's process group \(world 2, store "
+                                              r"127.0.0.1:\d+, timeout 1s\)"):
+        enter_generation(info, "b", 0, "gloo", timedelta(seconds=1))
+    assert not dist.is_initialized()
+
+
+def _store_with(*nodes: tuple[str, bool], port: int) -> dist.Store:
+    store = dist.HashStore()
+    entries = [NodeEntry(node_id=n, ranks=(r,), kept_workers=k) for r, (n, k) in enumerate(nodes)]
+    publish_generation(store, nodes=entries, world_size=len(entries), master_addr="127.0.0.1", master_port=port,
+                       rendezvous_seconds=0.0)
+    return store

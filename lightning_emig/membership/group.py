@@ -73,7 +73,13 @@ def enter_generation(info: GenerationInfo, node_id: str, local_rank: int, backen
     """This worker's environment rewritten for ``info`` and its group formed (blocks for every member); returns its
     global rank there. Every way into a generation goes through here: a joiner's start, a live switch, a recovery."""
     rank = apply_generation_env(info, node_id, local_rank)
-    form_generation_group(info, rank, backend, timeout)
+    try:
+        form_generation_group(info, rank, backend, timeout)
+    except Exception as exc:  # noqa: BLE001 - re-raised with what this process waited for
+        raise GenerationError(
+            f"rank {rank} could not form generation {info.generation}'s process group (world {info.world_size}, store "
+            f"{info.master_addr}:{info.master_port}, timeout {timeout.total_seconds():.0f}s): {exc}"
+        ) from exc
     return rank
 
 
