@@ -67,3 +67,49 @@ def test_the_survivors_generation_never_hides_one_the_agents_published_during_th
     nodes = [n.node_id for n in read_generation(store, went_into).nodes]
     assert nodes == (["a", "c"] if meanwhile == "a join" else ["a"])
     assert went_into == {"nothing": 1, "a join": 1}.get(meanwhile, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_notice_before_the_node_joined_a_generation_leaves_cleanly_and_the_job_forms_without_it(tmp_path) -> None:
+    """``--nnodes=3:3``: A (hosting the store) and B wait in their first round for a third node; B gets SIGTERM. It
+    has nothing to hand off: its agent leaves the rendezvous without closing it and exits 0 (torchrun's default was
+    death by the signal). C and D then join A, the three form the job and train to the end."""
+    import json
+    import signal
+
+    from lightning_emig.testing.distributed import free_port
+    from lightning_emig.testing.nodes import (
+        assert_agents_succeed,
+        log_tail,
+        start_node,
+        stop_agents,
+        wait_for,
+    )
+
+    port, run_dir = free_port(), tmp_path / "run"
+    args = ["data=synthetic", "model=tiny", "trainer.max_steps=20", "trainer.global_batch_size=6",
+            "trainer.micro_batch_size=2", "trainer.progress_bar=false"]
+    addresses = {"a": "127.0.0.2", "b": "127.0.0.3", "c": "127.0.0.4", "d": "127.0.0.5"}
+    agents = {}
+
+    def start(name: str) -> None:
+        agents[name] = start_node(tmp_path, name, local_addr=addresses[name], port=port, run_dir=run_dir,
+                                  nnodes="3:3", rdzv_id="early-notice", rdzv_conf=f"is_host={str(name == 'a').lower()}",
+                                  train_args=args, env={"LOGLEVEL": "INFO"})
+
+    try:
+        start("a")
+        start("b")
+        wait_for(lambda: "rendezvous'ing worker group" in log_tail(tmp_path, "b").lower(), 60,
+                 f"B never entered the rendezvous:\n{log_tail(tmp_path, 'b')}")
+        agents["b"].send_signal(signal.SIGTERM)
+        assert agents["b"].wait(timeout=60) == 0, log_tail(tmp_path, "b")
+        assert "notice before this node joined a generation" in log_tail(tmp_path, "b", 10**6)
+        start("c")
+        start("d")
+        assert_agents_succeed(tmp_path, agents, 200, ["a", "c", "d"])
+    finally:
+        stop_agents(agents)
+    assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 3

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousError
 
 from lightning_emig.launcher.control_store import ETCD_SCHEME, open_control_store, parse_host_port
 from lightning_emig.launcher.generation import (
@@ -92,6 +93,11 @@ ENV_RDZV_ENDPOINT = "LIGHTNING_EMIG_RDZV_ENDPOINT"
 
 ETCD_BACKEND = "etcd-v2"
 
+ROUND_ATTEMPTS = 3
+"""A rendezvous round in which a node died (its entries never come: torch's rank assignment or our node entries time
+out) is run again: the others are alive, and without this the agent — perhaps the one hosting the c10d store — would
+exit and take the job with it."""
+
 ROUND_GENERATION_KEY = "lightning_emig/generation"
 """Key in the rendezvous round's own store through which rank 0 hands the round its generation number."""
 
@@ -111,6 +117,10 @@ def find_tcp_store(store: dist.Store) -> dist.TCPStore:
             f"endpoint); the rendezvous store is a {type(store).__name__}"
         )
     return store
+
+
+class _NoticeBeforeStart(Exception):  # noqa: N818 - a notice, not an error
+    """SIGTERM reached an agent that is in no generation yet (see ``MembershipAgent.run``)."""
 
 
 def _left_out(result: RunResult) -> bool:
@@ -213,9 +223,20 @@ class MembershipAgent(LocalElasticAgent):
         )
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        started = time.monotonic()
-        super()._rendezvous(worker_group)
-        self._publish_generation(worker_group, started)
+        """torch's round, then its generation; a round a node died in is run again without it (see
+        :data:`ROUND_ATTEMPTS`)."""
+        for attempt in range(1, ROUND_ATTEMPTS + 1):
+            started = time.monotonic()
+            try:
+                super()._rendezvous(worker_group)
+                self._publish_generation(worker_group, started)
+                return
+            except (dist.DistError, RendezvousError) as exc:
+                if isinstance(exc, RendezvousClosedError) or attempt == ROUND_ATTEMPTS:
+                    raise
+                logger.error("[%s] rendezvous round failed (attempt %d of %d; a node of the round is gone?): %s; "
+                             "running the next round", self.node_id, attempt, ROUND_ATTEMPTS,
+                             str(exc).splitlines()[0][:300])
 
     def _publish_generation(self, worker_group: WorkerGroup, started: float) -> None:
         round_store = worker_group.store
@@ -268,6 +289,21 @@ class MembershipAgent(LocalElasticAgent):
         self._control = dist.PrefixStore(self._control_prefix, tcp)
         return self._control
 
+    def run(self, role: str = "default") -> Any:
+        # A notice may come before this node is in any generation (still in its first round): it has nothing to hand
+        # off and leaves at once, exit 0, instead of dying by the signal. (torchrun's process context replaces the
+        # handler when it starts workers; _start_workers installs it again.)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            return super().run(role)
+        except _NoticeBeforeStart:
+            logger.warning("[%s] preemption notice before this node joined a generation: nothing to hand off; "
+                           "leaving the rendezvous", self.node_id)
+            self._exit_rendezvous_round()
+            self._worker_group.spec.rdzv_handler.shutdown = lambda: True  # one node leaves: the job goes on
+            return RunResult(state=WorkerState.SUCCEEDED)
+
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         if self._control is not None:  # a fresh process is not ready to join yet (see membership.admission)
             for local_rank in range(worker_group.spec.local_world_size):
@@ -289,6 +325,8 @@ class MembershipAgent(LocalElasticAgent):
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         if self._notice_at is not None:  # a second SIGTERM: torchrun's behaviour (workers are killed)
             raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+        if self.generation < 0:
+            raise _NoticeBeforeStart
         self._notice_at = time.monotonic()  # the store write happens in the monitor loop (not re-entrant here)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> Any:
