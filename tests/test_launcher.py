@@ -387,3 +387,44 @@ def test_an_agent_knows_whether_it_hosts_the_rendezvous_store_and_warns_when_tha
         assert not caplog.records
         MembershipAgent._warn_if_store_host(SimpleNamespace(node_id="n", _control_address=f"127.0.0.1:{hosted.port}"))
     assert "THIS NODE HOSTS THE RENDEZVOUS STORE" in caplog.text
+
+
+def test_a_round_without_an_alive_holder_of_the_live_state_is_refused() -> None:
+    """The generation the holders committed to has nodes a, b, c, d. A round of a and new node n misses b (alive: its
+    heartbeat moves), c (marked dead) and d (leaving): only b makes the round one to refuse. A round with b is fine,
+    and so is any round before a commitment (the first one)."""
+    import threading
+
+    from lightning_emig.launcher.agent import holders_missing
+    from lightning_emig.launcher.generation import (
+        ACTIVE_GENERATION_KEY,
+        dead_key,
+        heartbeat_key,
+        leaving_key,
+    )
+
+    store = dist.HashStore()
+    round_nodes = [NodeEntry(node_id="a", ranks=(0,), kept_workers=True),
+                   NodeEntry(node_id="n", ranks=(1,), kept_workers=False)]
+    assert holders_missing(store, round_nodes, window_s=0.5) == []  # nothing committed yet
+    holders = [NodeEntry(node_id=n, ranks=(r,), kept_workers=False) for r, n in enumerate("abcd")]
+    publish_generation(store, nodes=holders, world_size=4, master_addr="h", master_port=1, rendezvous_seconds=0.0)
+    store.set(ACTIVE_GENERATION_KEY, "0")
+    store.set(dead_key("c"), "{}")
+    store.set(leaving_key("d"), "{}")
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(0.1):
+            store.set(heartbeat_key("b", 0), str(time.time()))
+
+    beating = threading.Thread(target=beat)
+    beating.start()
+    try:
+        assert holders_missing(store, round_nodes, window_s=2.0) == ["b"]
+        with_b = [*round_nodes, NodeEntry(node_id="b", ranks=(2,), kept_workers=True)]
+        assert holders_missing(store, with_b, window_s=2.0) == []
+    finally:
+        stop.set()
+        beating.join()
+    assert holders_missing(store, round_nodes, window_s=1.0) == []  # b's heartbeat stopped: b is dead

@@ -54,16 +54,20 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, Rend
 
 from lightning_emig.launcher.control_store import ETCD_SCHEME, open_control_store, parse_host_port
 from lightning_emig.launcher.generation import (
+    ACTIVE_GENERATION_KEY,
     ENV_AGENT_PID,
     LEFT_OUT_EXIT_CODE,
     GenerationError,
     NodeEntry,
+    active_generation,
     control_prefix,
     dead_key,
+    heartbeat_key,
     latest_generation,
     leaving_key,
     make_node_id,
     publish_generation,
+    raise_key,
     read_generation,
     ready_key,
     restart_key,
@@ -98,6 +102,15 @@ ROUND_ATTEMPTS = 3
 out) is run again: the others are alive, and without this the agent — perhaps the one hosting the c10d store — would
 exit and take the job with it."""
 
+REFUSED_ROUNDS_S = 600.0
+"""How long rounds may be refused for missing holders before the agent gives up (see :func:`holders_missing`)."""
+
+ROUND_REFUSED = "refused"
+"""What the round's rank 0 hands the round instead of a generation number when it refuses the round."""
+
+HOLDER_ALIVE_WINDOW_S = 5.0
+"""A node of the holders' generation is alive when one of its workers' heartbeats changes within this window."""
+
 ROUND_GENERATION_KEY = "lightning_emig/generation"
 """Key in the rendezvous round's own store through which rank 0 hands the round its generation number."""
 
@@ -119,8 +132,43 @@ def find_tcp_store(store: dist.Store) -> dist.TCPStore:
     return store
 
 
-class _NoticeBeforeStart(Exception):  # noqa: N818 - a notice, not an error
-    """SIGTERM reached an agent that is in no generation yet (see ``MembershipAgent.run``)."""
+class _LeaveJob(Exception):  # noqa: N818 - a way out, not an error
+    """This preempted node has nothing (left) to hand off: its agent leaves the job, exit 0 (see
+    ``MembershipAgent.run``)."""
+
+
+class RoundRefusedError(RuntimeError):
+    """A rendezvous round that would split the job: nodes holding the live state are alive but not in it."""
+
+
+def holders_missing(control: Any, nodes: list[NodeEntry], window_s: float = HOLDER_ALIVE_WINDOW_S) -> list[str]:
+    """Nodes of the generation the state holders are in that are alive (a worker's heartbeat changes within
+    ``window_s``), not leaving, not marked dead, and not among ``nodes``.
+
+    torch's rendezvous can complete a round without them: new nodes waiting form one on their own while the holders'
+    agents are still leaving a round a node died in. Published, such a round would be a second job: its workers would
+    start from a checkpoint while the holders train on. Refused, the next round has everyone."""
+    holders = active_generation(control)
+    if holders < 0:
+        return []
+    in_round = {node.node_id for node in nodes}
+    candidates = [node for node in read_generation(control, holders).nodes
+                  if node.node_id not in in_round and not control.check([dead_key(node.node_id)])
+                  and not control.check([leaving_key(node.node_id)])]
+    if not candidates:
+        return []
+    keys = {node.node_id: [heartbeat_key(node.node_id, lr) for lr in range(len(node.ranks))] for node in candidates}
+    first = {key: _read(control, key) for node_keys in keys.values() for key in node_keys}
+    alive: set[str] = set()
+    deadline = time.monotonic() + window_s
+    while time.monotonic() < deadline and len(alive) < len(keys):
+        time.sleep(0.25)
+        alive |= {node for node, node_keys in keys.items() if any(_read(control, k) != first[k] for k in node_keys)}
+    return sorted(alive)
+
+
+def _read(control: Any, key: str) -> bytes | None:
+    return control.get(key) if control.check([key]) else None
 
 
 def _left_out(result: RunResult) -> bool:
@@ -223,20 +271,28 @@ class MembershipAgent(LocalElasticAgent):
         )
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        """torch's round, then its generation; a round a node died in is run again without it (see
-        :data:`ROUND_ATTEMPTS`)."""
-        for attempt in range(1, ROUND_ATTEMPTS + 1):
+        """torch's round, then its generation. A round a node died in is run again without it (see
+        :data:`ROUND_ATTEMPTS`); a round refused because the nodes holding the live state are not in it (they are still
+        leaving a round that failed) is run again until they are, for up to :data:`REFUSED_ROUNDS_S`."""
+        attempt, refused_since = 1, None
+        while True:
             started = time.monotonic()
             try:
                 super()._rendezvous(worker_group)
                 self._publish_generation(worker_group, started)
                 return
+            except RoundRefusedError as exc:
+                refused_since = refused_since or time.monotonic()
+                if time.monotonic() - refused_since > REFUSED_ROUNDS_S:
+                    raise
+                logger.warning("[%s] %s; running the next round", self.node_id, exc)
             except (dist.DistError, RendezvousError) as exc:
                 if isinstance(exc, RendezvousClosedError) or attempt == ROUND_ATTEMPTS:
                     raise
                 logger.error("[%s] rendezvous round failed (attempt %d of %d; a node of the round is gone?): %s; "
                              "running the next round", self.node_id, attempt, ROUND_ATTEMPTS,
                              str(exc).splitlines()[0][:300])
+                attempt += 1
 
     def _publish_generation(self, worker_group: WorkerGroup, started: float) -> None:
         round_store = worker_group.store
@@ -252,13 +308,22 @@ class MembershipAgent(LocalElasticAgent):
         if group_rank == 0:
             keys = [round_node_key(r) for r in range(group_world_size)]
             round_store.wait(keys, PUBLISH_TIMEOUT)
+            nodes = [NodeEntry.decode(round_store.get(k)) for k in keys]
+            missing = holders_missing(control, nodes)
+            if missing:
+                round_store.set(ROUND_GENERATION_KEY, ROUND_REFUSED)
+                raise RoundRefusedError(f"nodes holding the live state are not in this round: {missing}")
             generation = publish_generation(
-                control, nodes=[NodeEntry.decode(round_store.get(k)) for k in keys],
-                world_size=workers[0].world_size, master_addr=worker_group.master_addr,
+                control, nodes=nodes, world_size=workers[0].world_size, master_addr=worker_group.master_addr,
                 master_port=worker_group.master_port, rendezvous_seconds=time.monotonic() - started,
             )
+            if not any(node.kept_workers for node in nodes):  # every worker starts (from a checkpoint): they hold it
+                raise_key(control, ACTIVE_GENERATION_KEY, generation)
             round_store.set(ROUND_GENERATION_KEY, str(generation))
-        generation = int(round_store.get(ROUND_GENERATION_KEY))
+        published = round_store.get(ROUND_GENERATION_KEY).decode()
+        if published == ROUND_REFUSED:
+            raise RoundRefusedError("the round's rank 0 refused it: nodes holding the live state are not in it")
+        generation = int(published)
         control.delete_key(dead_key(self.node_id))  # this node is in a round again: any failure marker is history
         info = read_generation(control, generation)
         if generation == self.generation:
@@ -297,9 +362,8 @@ class MembershipAgent(LocalElasticAgent):
             signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
             return super().run(role)
-        except _NoticeBeforeStart:
-            logger.warning("[%s] preemption notice before this node joined a generation: nothing to hand off; "
-                           "leaving the rendezvous", self.node_id)
+        except _LeaveJob as why:
+            logger.warning("[%s] %s: nothing to hand off; leaving the rendezvous", self.node_id, why)
             self._exit_rendezvous_round()
             self._worker_group.spec.rdzv_handler.shutdown = lambda: True  # one node leaves: the job goes on
             return RunResult(state=WorkerState.SUCCEEDED)
@@ -326,7 +390,7 @@ class MembershipAgent(LocalElasticAgent):
         if self._notice_at is not None:  # a second SIGTERM: torchrun's behaviour (workers are killed)
             raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
         if self.generation < 0:
-            raise _NoticeBeforeStart
+            raise _LeaveJob("preemption notice before this node joined a generation")
         self._notice_at = time.monotonic()  # the store write happens in the monitor loop (not re-entrant here)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> Any:
@@ -335,6 +399,12 @@ class MembershipAgent(LocalElasticAgent):
         if self._notice_at is not None:
             self._announce_leaving()
         result = super()._monitor_workers(worker_group)
+        failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
+        if failed and self._notice_at is not None and self._control is not None:
+            # Preempted, and its workers are gone (killed, left out, or died handing off): the node goes, as announced;
+            # for the survivors it is a failure (marked, so they need not wait for stale heartbeats).
+            self._control.set(dead_key(self.node_id), json.dumps({"time": time.time(), "generation": self.generation}))
+            raise _LeaveJob("preemption notice, and this node's workers failed")
         if result.state == WorkerState.FAILED and _left_out(result):
             self._rejoin_left_out(worker_group)
             return RunResult(state=WorkerState.HEALTHY)

@@ -318,6 +318,11 @@ def latest_generation(client: Store) -> int:
     return int(client.get(LATEST_GENERATION_KEY))
 
 
+def active_generation(client: Store) -> int:
+    """The generation the workers holding the state committed to last (``active_generation``), or -1."""
+    return int(client.get(ACTIVE_GENERATION_KEY)) if client.check([ACTIVE_GENERATION_KEY]) else -1
+
+
 def wait_for_generation(client: Store, newer_than: int, *, timeout_s: float, poll_s: float = 0.2) -> int:
     """Poll until a generation newer than ``newer_than`` is published; return its number."""
     deadline = time.monotonic() + timeout_s

@@ -37,6 +37,7 @@ from lightning_emig.launcher.generation import (
     LEFT_OUT_EXIT_CODE,
     GenerationError,
     GenerationInfo,
+    active_generation,
     raise_key,
     read_generation,
     ready_key,
@@ -64,11 +65,6 @@ def joiners_ready(client: dist.Store, info: GenerationInfo, holders: GenerationI
 def commit_generation(client: dist.Store, generation: int) -> None:
     """The holders' rank 0: they form ``generation`` next (joiners waiting for admission read it)."""
     raise_key(client, ACTIVE_GENERATION_KEY, generation)
-
-
-def active_generation(client: dist.Store) -> int:
-    """The generation the holders committed to last, or -1."""
-    return int(client.get(ACTIVE_GENERATION_KEY)) if client.check([ACTIVE_GENERATION_KEY]) else -1
 
 
 def await_admission(client: dist.Store, node_id: str, local_rank: int, *, started_in: int, timeout_s: float,
