@@ -152,3 +152,53 @@ def _store_with(*nodes: tuple[str, bool], port: int) -> dist.Store:
     publish_generation(store, nodes=entries, world_size=len(entries), master_addr="127.0.0.1", master_port=port,
                        rendezvous_seconds=0.0)
     return store
+
+
+@pytest.mark.parametrize("c_is", ["ready", "starting", "dead", "silent", "slow"])
+def test_a_joiner_that_died_while_starting_does_not_hold_the_others_back(c_is: str) -> None:
+    """Holders: A (generation 0). Generation 1 brings B (ready) and C. C ready: go into 1. C starting (its agent beats):
+    wait. C dead (its agent marked it, or its agent's heartbeat stopped), or C slow past the holders' patience: the
+    holders publish their own generation with B, committed, and go into it; C is left out and rejoins."""
+    from lightning_emig.launcher.generation import agent_heartbeat_key, dead_key
+    from lightning_emig.launcher.heartbeat import HeartbeatWatch
+    from lightning_emig.membership.admission import generation_to_join
+
+    store = dist.HashStore()
+    _publish(store, ("a", False))
+    commit_generation(store, 0)
+    _publish(store, ("a", True), ("b", False), ("c", False))
+    store.set(ready_key("b", 0), "1")
+    clock = [0.0]
+    watch = HeartbeatWatch(store, timeout_s=5.0, clock=lambda: clock[0])
+    store.set(agent_heartbeat_key("c"), "beat 0")
+
+    def later(seconds: float) -> None:  # our clock moves on; B's agent beats meanwhile
+        clock[0] = seconds
+        store.set(agent_heartbeat_key("b"), f"beat {seconds}")
+
+    if c_is == "ready":
+        store.set(ready_key("c", 0), "1")
+    elif c_is == "dead":
+        store.set(dead_key("c"), "{}")
+
+    def ask() -> int | None:
+        return generation_to_join(store, 0, watch, host="127.0.0.1", timeout=timedelta(seconds=10),
+                                  give_up_on_starting=c_is == "slow")
+
+    first = ask()
+    if c_is == "silent":  # C's agent wrote its heartbeat once and stopped: dead once 5 s of our clock pass
+        assert first is None
+        later(6.0)
+        first = ask()
+    elif c_is == "starting":  # C's agent beats on: never given up on
+        for beat in range(1, 4):
+            later(6.0 * beat)
+            store.set(agent_heartbeat_key("c"), f"beat {beat}")
+            assert ask() is None
+        return
+    if c_is == "ready":
+        assert first == 1
+        return
+    assert first == 2 and active_generation(store) == 2
+    info = read_generation(store, 2)
+    assert [(n.node_id, n.ranks, n.kept_workers) for n in info.nodes] == [("a", (0,), True), ("b", (1,), True)]

@@ -35,7 +35,7 @@ from lightning_emig.membership.failure import (
     is_peer_failure,
     report_key,
 )
-from lightning_emig.membership.heartbeat import HeartbeatWatch
+from lightning_emig.launcher.heartbeat import HeartbeatWatch
 from lightning_emig.strategy.events import read_events
 from lightning_emig.testing.commands import descendants, is_alive, kill_tree
 from lightning_emig.testing.distributed import free_port
@@ -70,7 +70,7 @@ def test_peer_failures_are_told_from_bugs() -> None:
 
 _BUSY_HEARTBEAT_THEN_EXIT = """
 import time
-from lightning_emig.membership.heartbeat import start_heartbeat
+from lightning_emig.launcher.heartbeat import start_heartbeat
 beat = start_heartbeat(1e-4)  # the thread is nearly always inside a store call
 time.sleep(0.2)
 assert beat.running

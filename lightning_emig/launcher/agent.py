@@ -36,6 +36,7 @@ environment reaches them without touching torchrun's per-worker code.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -60,6 +61,7 @@ from lightning_emig.launcher.generation import (
     GenerationError,
     NodeEntry,
     active_generation,
+    agent_heartbeat_key,
     control_prefix,
     dead_key,
     heartbeat_key,
@@ -73,6 +75,7 @@ from lightning_emig.launcher.generation import (
     restart_key,
     worker_env,
 )
+from lightning_emig.launcher.heartbeat import Heartbeat
 from lightning_emig.launcher.store_host import hosts_port
 
 logger = logging.getLogger(__name__)
@@ -91,6 +94,9 @@ ENV_PREEMPT_FILE = "LIGHTNING_EMIG_PREEMPT_FILE"
 
 ENV_FAILURE_WAIT_S = "LIGHTNING_EMIG_FAILURE_WAIT_S"
 """Seconds a node whose workers failed waits for the survivors' generation before torchrun's restart path."""
+
+AGENT_HEARTBEAT_S = 1.0
+"""How often an agent rewrites its heartbeat (``hb/<node_id>/agent``)."""
 
 ENV_RDZV_ENDPOINT = "LIGHTNING_EMIG_RDZV_ENDPOINT"
 """``--rdzv-endpoint`` as ``lightning-emig-run`` read it (the etcd server, with ``--rdzv-backend=etcd-v2``)."""
@@ -199,6 +205,7 @@ class MembershipAgent(LocalElasticAgent):
         self._notice_at: float | None = None  # monotonic time of the preemption notice
         self._leaving_deadline: float | None = None  # monotonic; set once leaving/<node_id> is written
         self._left_round = False
+        self._heartbeat: Heartbeat | None = None
         settings = getattr(spec.rdzv_handler, "_settings", None)  # DynamicRendezvousHandler (torch 2.13)
         self.min_nodes = int(getattr(settings, "min_nodes", 1))
         self.max_nodes = int(getattr(settings, "max_nodes", self.min_nodes))
@@ -348,11 +355,21 @@ class MembershipAgent(LocalElasticAgent):
                 self._control_address = ETCD_SCHEME + os.environ[ENV_RDZV_ENDPOINT]
                 self._control = open_control_store(self._control_address, self._control_prefix,
                                                    timeout_s=PUBLISH_TIMEOUT.total_seconds())
-            return self._control
-        tcp = find_tcp_store(worker_group.store)
-        self._control_address = f"{tcp.host}:{tcp.port}"
-        self._control = dist.PrefixStore(self._control_prefix, tcp)
+        else:
+            tcp = find_tcp_store(worker_group.store)
+            self._control_address = f"{tcp.host}:{tcp.port}"
+            self._control = dist.PrefixStore(self._control_prefix, tcp)
+        self._start_heartbeat()
         return self._control
+
+    def _start_heartbeat(self) -> None:
+        """This agent's own heartbeat (once): the workers holding the state tell a joining node that died before its
+        worker beat once from a slow one by it."""
+        if self._heartbeat is not None:
+            return
+        client = open_control_store(self._control_address, self._control_prefix, timeout_s=10.0)
+        self._heartbeat = Heartbeat(AGENT_HEARTBEAT_S, key=agent_heartbeat_key(self.node_id), client=client)
+        atexit.register(self._heartbeat.stop)  # a daemon thread inside a store call must not outlive the interpreter
 
     def run(self, role: str = "default") -> Any:
         # A notice may come before this node is in any generation (still in its first round): it has nothing to hand

@@ -38,7 +38,8 @@ Keys under the prefix (the control store), for generation ``n``:
   that got a preemption notice (SIGTERM, or the file named by ``LIGHTNING_EMIG_PREEMPT_FILE`` appearing). The
   workers then agree at a step boundary to hand that node's state to the survivors, its workers exit 0, and the
   survivors' lowest rank publishes the next generation without the node (``kept_workers`` on every entry).
-* ``hb/<node_id>/<local_rank>``: ``str(time.time())``, rewritten every few seconds by every worker (its heartbeat).
+* ``hb/<node_id>/<local_rank>``: ``str(time.time())``, rewritten every few seconds by every worker (its heartbeat);
+  ``hb/<node_id>/agent``: the same, by every agent.
 * ``dead/<node_id>``: written by an agent whose workers failed (abrupt failure) before it stops the node's other
   workers: the survivors need not wait for the heartbeats to go stale.
 * ``failure/<n>/...``: the survivors' agreement after a collective of generation ``n`` failed
@@ -127,6 +128,11 @@ def node_host(node_id: str) -> str:
 
 def heartbeat_key(node_id: str, local_rank: int) -> str:
     return f"hb/{node_id}/{local_rank}"
+
+
+def agent_heartbeat_key(node_id: str) -> str:
+    """The heartbeat of a node's agent (its workers': :func:`heartbeat_key`)."""
+    return f"hb/{node_id}/agent"
 
 
 def ready_key(node_id: str, local_rank: int) -> str:

@@ -7,7 +7,7 @@
 * :mod:`~lightning_emig.membership.handoff`: :class:`LiveHandoff`, what a running process carries into its next fit;
 * :mod:`~lightning_emig.membership.preempt`, :mod:`~lightning_emig.membership.failure`,
   :mod:`~lightning_emig.membership.below_min`: leaving with notice, abrupt failure, waiting below MIN;
-* :mod:`~lightning_emig.membership.heartbeat`: liveness of workers, judged on the reader's clock.
+* :mod:`~lightning_emig.launcher.heartbeat`: liveness of workers, judged on the reader's clock.
 
 The Lightning side (the per-step agreement callback, the live join, one fit call per job) is in
 :mod:`lightning_emig.strategy`.

@@ -22,13 +22,18 @@ The rules:
 * a joiner forms the first committed generation that includes it (:func:`await_admission`); when the holders commit
   to a generation at or past the one it was started into without it, it is *left out*: it exits with
   :data:`LEFT_OUT_EXIT_CODE`, and its agent brings a fresh worker back in through a new rendezvous round (not a
-  failure: no restart is spent, nothing is marked dead).
+  failure: no restart is spent, nothing is marked dead);
+* a generation with a joiner that died while starting (its agent's heartbeat stopped, or its agent marked it dead)
+  can never form, and no agent publishes another unless a node joins: the holders publish their own — themselves and
+  the joiners that are ready (:func:`generation_to_join`) — and go into it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -37,11 +42,18 @@ from lightning_emig.launcher.generation import (
     LEFT_OUT_EXIT_CODE,
     GenerationError,
     GenerationInfo,
+    NodeEntry,
     active_generation,
+    agent_heartbeat_key,
+    dead_key,
+    latest_generation,
+    publish_generation,
     raise_key,
     read_generation,
     ready_key,
 )
+from lightning_emig.launcher.heartbeat import HeartbeatWatch
+from lightning_emig.membership.group import host_generation_store, keep_hosted_store
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +72,78 @@ def joiners_ready(client: dist.Store, info: GenerationInfo, holders: GenerationI
     joiners = [(node.node_id, local_rank) for node in info.nodes for local_rank in range(len(node.ranks))
                if (node.node_id, local_rank) not in members]
     return all(client.check([ready_key(*joiner)]) for joiner in joiners)
+
+
+@dataclass(frozen=True, slots=True)
+class Joiners:
+    """The nodes of a newer generation that are not the holders', by state (node ids)."""
+
+    ready: tuple[str, ...]
+    """Every worker of the node announced its start-up done."""
+    starting: tuple[str, ...]
+    dead: tuple[str, ...]
+    """Its agent marked it dead, or its agent's heartbeat stopped (judged by the watch, on this process's clock)."""
+
+
+def joiners_of(client: dist.Store, info: GenerationInfo, holders: GenerationInfo, watch: HeartbeatWatch) -> Joiners:
+    members = {(node.node_id, local_rank) for node in holders.nodes for local_rank in range(len(node.ranks))}
+    ready, starting, dead = [], [], []
+    for node in info.nodes:
+        workers = [(node.node_id, lr) for lr in range(len(node.ranks)) if (node.node_id, lr) not in members]
+        if not workers:
+            continue
+        if client.check([dead_key(node.node_id)]) or watch.stale_key(agent_heartbeat_key(node.node_id)):
+            dead.append(node.node_id)
+        elif all(client.check([ready_key(*worker)]) for worker in workers):
+            ready.append(node.node_id)
+        else:
+            starting.append(node.node_id)
+    return Joiners(tuple(ready), tuple(starting), tuple(dead))
+
+
+def generation_to_join(client: dist.Store, holders_generation: int, watch: HeartbeatWatch, *, host: str,
+                       timeout: timedelta, give_up_on_starting: bool = False) -> int | None:
+    """The holders' rank 0: the generation to go into now, or None (none newer, or its joiners still starting).
+
+    The newest generation when every joiner of it is ready; when some died while starting (or, with
+    ``give_up_on_starting``, are still starting), the holders' own generation with the joiners that are ready,
+    published here (its store hosted by this process, on ``host``) unless a newer round came meanwhile."""
+    latest = latest_generation(client)
+    if latest <= holders_generation:
+        return None
+    info, holders = read_generation(client, latest), read_generation(client, holders_generation)
+    joiners = joiners_of(client, info, holders, watch)
+    if joiners.starting and not give_up_on_starting:
+        return None
+    if not joiners.dead and not joiners.starting:
+        return latest
+    if not joiners.ready:
+        return None
+    log.warning("generation %d cannot form (joiners %s %s): the holders publish their own with the ready joiners %s",
+                latest, ", ".join(joiners.dead + joiners.starting), "died" if joiners.dead else "never got ready",
+                list(joiners.ready))
+    joining = [node for node in info.nodes if node.node_id in joiners.ready]
+    rank = holders.world_size
+    entries = [NodeEntry(node_id=n.node_id, ranks=n.ranks, kept_workers=True) for n in holders.nodes]
+    for node in joining:
+        entries.append(NodeEntry(node_id=node.node_id, ranks=tuple(range(rank, rank + len(node.ranks))),
+                                 kept_workers=True))
+        rank += len(node.ranks)
+    return publish_holders_generation(client, entries, host, timeout, only_after=latest)
+
+
+def publish_holders_generation(client: dist.Store, nodes: list[NodeEntry], host: str, timeout: timedelta, *,
+                               only_after: int | None = None) -> int | None:
+    """Publish a generation of the holders' own (after a drain, a failure, a joiner's death), its store hosted by
+    this process (their new rank 0) on ``host``, bound before the number is published; commit the holders to it. With
+    ``only_after``: only if that is still the latest generation, else None (see ``publish_generation``)."""
+    store = host_generation_store(host, timeout)
+    published = publish_generation(client, nodes=nodes, world_size=sum(len(n.ranks) for n in nodes), master_addr=host,
+                                   master_port=store.port, rendezvous_seconds=0.0, only_after=only_after)
+    if published is not None:
+        keep_hosted_store(published, store)
+        commit_generation(client, published)
+    return published
 
 
 def commit_generation(client: dist.Store, generation: int) -> None:

@@ -13,24 +13,29 @@ store and broadcasts what it saw, so every rank takes the same decision at the s
 from __future__ import annotations
 
 import logging
+import os
 import time
+from datetime import timedelta
 
 import torch.distributed as dist
 
 from lightning_emig.launcher.generation import (
+    ENV_NODE_ID,
     control_client_from_env,
-    latest_generation,
     min_nodes_from_env,
+    node_host,
     read_generation,
 )
-from lightning_emig.membership.admission import commit_generation, joiners_ready
+from lightning_emig.launcher.heartbeat import HeartbeatWatch
+from lightning_emig.membership.admission import commit_generation, generation_to_join
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5
 
 
-def wait_for_enough_nodes(generation: int, timeout_s: float) -> int | None:
+def wait_for_enough_nodes(generation: int, timeout_s: float, *, heartbeat_timeout_s: float, group_timeout: timedelta
+                          ) -> int | None:
     """In ``generation``'s (formed) process group: a newer generation with enough nodes to join, or None."""
     client = control_client_from_env()
     min_nodes = min_nodes_from_env()
@@ -38,6 +43,7 @@ def wait_for_enough_nodes(generation: int, timeout_s: float) -> int | None:
     if nodes >= min_nodes:
         return None
     rank = dist.get_rank()
+    watch = HeartbeatWatch(client, heartbeat_timeout_s)
     if rank == 0:
         log.warning("BELOW MIN: %d node(s) left, --nnodes MIN is %d: state kept in memory, waiting up to %.0fs for "
                     "joining nodes", nodes, min_nodes, timeout_s)
@@ -45,9 +51,13 @@ def wait_for_enough_nodes(generation: int, timeout_s: float) -> int | None:
     while True:
         box: list[object] = [None]
         if rank == 0:
-            box[0] = _ready_newer(client, generation)
+            # A joiner that died while starting does not hold the others back (see membership.admission).
+            box[0] = generation_to_join(client, generation, watch, host=node_host(os.environ[ENV_NODE_ID]),
+                                        timeout=group_timeout)
             if box[0] is None and time.monotonic() - started > timeout_s:
                 box[0] = "timeout"
+            elif box[0] is not None:
+                commit_generation(client, int(box[0]))  # type: ignore[call-overload]
         dist.broadcast_object_list(box, src=0)
         if box[0] == "timeout":
             if rank == 0:
@@ -59,13 +69,3 @@ def wait_for_enough_nodes(generation: int, timeout_s: float) -> int | None:
                             box[0], time.monotonic() - started)
             return int(box[0])  # type: ignore[call-overload]
         time.sleep(POLL_S)
-
-
-def _ready_newer(client: dist.Store, generation: int) -> int | None:
-    """Rank 0: a newer generation whose joiners are ready, committed to (the survivors go into it), or None."""
-    latest = latest_generation(client)
-    if latest <= generation or not joiners_ready(client, read_generation(client, latest),
-                                                 read_generation(client, generation)):
-        return None
-    commit_generation(client, latest)
-    return latest

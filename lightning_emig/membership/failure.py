@@ -6,7 +6,7 @@ which every survivor runs:
 
 1. **detect**: leave the broken group, report in (``failure/<n>/report/<rank>``: node, step of the last consistent
    state), and wait until every rank of generation ``n`` has either reported or is dead — its agent marked the node
-   (``dead/<node_id>``) or its heartbeat (:mod:`~lightning_emig.membership.heartbeat`) has not changed for
+   (``dead/<node_id>``) or its heartbeat (:mod:`~lightning_emig.launcher.heartbeat`) has not changed for
    ``heartbeat_timeout_s`` as this survivor's clock counts. A node with one dead worker is dead as a whole (its
    agent stops the others).
 2. **agree**: the first survivor to see everyone accounted for writes the decision (``compare_set``, so there is
@@ -43,9 +43,9 @@ from lightning_emig.launcher.generation import (
     node_host,
     read_generation,
 )
+from lightning_emig.launcher.heartbeat import HeartbeatWatch
 from lightning_emig.membership.group import enter_generation
 from lightning_emig.membership.handoff import LiveHandoff
-from lightning_emig.membership.heartbeat import HeartbeatWatch
 from lightning_emig.migration.change import allocate_shards, execute_change
 from lightning_emig.migration.engine import MigrationFailedError
 from lightning_emig.migration.planner import IdentityMap, ProcessInfo, StateLostError

@@ -35,11 +35,9 @@ from lightning_emig.launcher.generation import (
     latest_generation,
     leaving_key,
     node_host,
-    publish_generation,
     read_generation,
 )
-from lightning_emig.membership.admission import commit_generation, joiners_ready
-from lightning_emig.membership.group import host_generation_store, keep_hosted_store
+from lightning_emig.membership.admission import commit_generation, joiners_ready, publish_holders_generation
 from lightning_emig.membership.handoff import LiveHandoff
 from lightning_emig.migration.change import allocate_shards, execute_change
 from lightning_emig.migration.planner import IdentityMap, ProcessInfo
@@ -63,20 +61,13 @@ def publish_survivors(
     client: Any, info: Any, new_rank_of: dict[int, int], host: str, timeout: timedelta, *, only_after: int | None = None
 ) -> int | None:
     """Publish the generation of the processes of ``info`` that have a new rank (all kept), with its store hosted by
-    this process (their new rank 0) on ``host``; with ``only_after``: only if that is still the latest generation,
-    else None (see ``publish_generation``). The holders are committed to it (:mod:`~lightning_emig.membership.admission`).
+    this process (their new rank 0) on ``host`` (see :func:`~lightning_emig.membership.admission.publish_holders_generation`).
     """
     nodes = [
         NodeEntry(node_id=n.node_id, ranks=tuple(new_rank_of[r] for r in n.ranks), kept_workers=True)
         for n in info.nodes if all(r in new_rank_of for r in n.ranks)
     ]
-    store = host_generation_store(host, timeout)
-    published = publish_generation(client, nodes=nodes, world_size=len(new_rank_of), master_addr=host,
-                                   master_port=store.port, rendezvous_seconds=0.0, only_after=only_after)
-    if published is not None:
-        keep_hosted_store(published, store)
-        commit_generation(client, published)
-    return published
+    return publish_holders_generation(client, nodes, host, timeout, only_after=only_after)
 
 
 def _joined_meanwhile(client: Any, info: Any, leaving: list[str]) -> tuple[int | None, int]:

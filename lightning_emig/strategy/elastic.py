@@ -42,6 +42,7 @@ from lightning_emig.launcher.generation import (
     control_client_from_env,
     read_generation,
 )
+from lightning_emig.launcher.heartbeat import start_heartbeat
 from lightning_emig.launcher.orphans import die_with_parent
 from lightning_emig.layout import HybridLayout, LayoutMesh, build_mesh
 from lightning_emig.membership.admission import await_admission
@@ -52,7 +53,6 @@ from lightning_emig.membership.group import (
     under_launcher,
 )
 from lightning_emig.membership.handoff import LIVE_CHECKPOINT, LiveHandoff
-from lightning_emig.membership.heartbeat import start_heartbeat
 from lightning_emig.membership.settings import ElasticSettings, validate_layout_for_module
 from lightning_emig.migration.change import ChangeRecord
 from lightning_emig.migration.state import training_state

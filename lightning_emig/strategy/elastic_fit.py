@@ -159,7 +159,9 @@ class ElasticFitLauncher(_Launcher):
         """Below MIN, wait for joiners with the state in memory; then the next fit takes the handoff live."""
         strategy = self._strategy
         waiting_since = time.perf_counter()
-        newer = wait_for_enough_nodes(handoff.generation, strategy.failure_settings.below_min_timeout_s)
+        settings = strategy.failure_settings
+        newer = wait_for_enough_nodes(handoff.generation, settings.below_min_timeout_s,
+                                      heartbeat_timeout_s=settings.heartbeat_timeout_s, group_timeout=strategy.timeout)
         if newer is not None:  # fewer nodes than MIN were left: join the generation that brought more
             if handoff.prior is not None:  # the change that left too few nodes is an event of its own
                 strategy.record_prior_event(trainer, handoff, time.perf_counter() - waiting_since)

@@ -26,6 +26,7 @@ pending (this also skips a periodic checkpoint that would have fallen on exactly
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -35,8 +36,15 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from typing_extensions import override
 
-from lightning_emig.launcher.generation import control_client_from_env, latest_generation, read_generation
-from lightning_emig.membership.admission import commit_generation, joiners_ready
+from lightning_emig.launcher.generation import (
+    ENV_NODE_ID,
+    control_client_from_env,
+    latest_generation,
+    node_host,
+    read_generation,
+)
+from lightning_emig.launcher.heartbeat import HeartbeatWatch
+from lightning_emig.membership.admission import commit_generation, generation_to_join, joiners_ready
 from lightning_emig.membership.group import under_launcher
 from lightning_emig.membership.handoff import LiveHandoff
 from lightning_emig.membership.preempt import drain_leavers, leaving_nodes
@@ -56,7 +64,7 @@ class RendezvousCallback(Callback):
     Args:
         poll_interval_s: Rank 0 reads the control store at most this often (the all-reduce runs every step).
         joiner_wait_s: How long training goes on after a generation appears while its joiners start up; then
-            the change goes ahead anyway (a joiner that never comes surfaces as a process-group timeout).
+            the holders go on with the joiners that are ready (the others are left out and rejoin).
         store_timeout_s: Timeout of the control-store client (rank 0 only).
     """
 
@@ -71,6 +79,8 @@ class RendezvousCallback(Callback):
         self._client: Any = None
         self._last_poll = float("-inf")
         self._seen: dict[int, float] = {}  # generation -> monotonic time rank 0 first saw it
+        self._watch: HeartbeatWatch | None = None  # rank 0: joining agents' heartbeats
+        self._strategy: Any = None
 
     @property
     def enabled(self) -> bool:
@@ -83,6 +93,7 @@ class RendezvousCallback(Callback):
         if not self.enabled or not at_step_boundary(trainer):
             return
         strategy: Any = trainer.strategy
+        self._strategy = strategy
         strategy.finish_join_event(trainer)
         last_step_wall = time.time()
         # Captured before the step's only collective: a peer dying now leaves the survivors this consistent state.
@@ -185,19 +196,22 @@ class RendezvousCallback(Callback):
         return newest, 1 if leaving else 0
 
     def _newest_ready(self, current: int, now: float) -> int:
+        """Rank 0: the generation to go into (see :func:`~lightning_emig.membership.admission.generation_to_join`;
+        joiners still starting after ``joiner_wait_s`` are given up on), else ``current``."""
         latest = latest_generation(self._client)
         if latest <= current:
             return current
         first_seen = self._seen.setdefault(latest, now)
-        newest = read_generation(self._client, latest)
-        if joiners_ready(self._client, newest, read_generation(self._client, current)):
-            log.info("generation %d: joiners ready %.2fs after it was seen; training went on meanwhile",
-                     latest, now - first_seen)
-            return latest
-        if now - first_seen > self.joiner_wait_s:
-            log.warning("generation %d: joiners not ready after %.0fs; changing anyway", latest, self.joiner_wait_s)
-            return latest
-        return current
+        strategy: Any = self._strategy
+        if self._watch is None:
+            self._watch = HeartbeatWatch(self._client, strategy.failure_settings.heartbeat_timeout_s)
+        found = generation_to_join(self._client, current, self._watch, host=node_host(os.environ[ENV_NODE_ID]),
+                                   timeout=strategy.timeout, give_up_on_starting=now - first_seen > self.joiner_wait_s)
+        if found is None:
+            return current
+        log.info("generation %d: joiners ready %.2fs after generation %d was seen; training went on meanwhile",
+                 found, now - first_seen, latest)
+        return found
 
 
 def capture_handoff(trainer: pl.Trainer, *, new_generation: int, last_step_wall: float) -> LiveHandoff:

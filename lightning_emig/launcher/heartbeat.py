@@ -1,8 +1,9 @@
-"""Worker heartbeats in the control store: how survivors tell a dead peer from a slow one.
+"""Heartbeats in the control store: how survivors tell a dead peer from a slow one.
 
 Under ``lightning-emig-run`` every worker runs one daemon thread that writes ``hb/<node_id>/<local_rank>`` =
 ``time.time()`` every ``interval_s`` through a control-store client of its own (the training thread's client is
-never shared). After a collective fails, :mod:`~lightning_emig.membership.failure` reads these keys: a peer that
+never shared); every agent does the same under ``hb/<node_id>/agent`` (a joining node killed before its worker
+beats once is told from a slow one by its agent's heartbeat: :mod:`~lightning_emig.membership.admission`). After a collective fails, :mod:`~lightning_emig.membership.failure` reads these keys: a peer that
 has not reported in and whose heartbeat has not changed for the configured timeout (on the reader's own clock:
 :class:`HeartbeatWatch`) is taken for dead. Writing from a thread keeps beating while the training thread is blocked
 in a collective (gloo releases the GIL), so a live peer stuck behind the dead one still looks alive.
@@ -20,6 +21,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from lightning_emig.launcher.generation import ENV_NODE_ID, control_client_from_env, heartbeat_key
 
@@ -31,11 +33,13 @@ _beating: Heartbeat | None = None
 class Heartbeat:
     """The heartbeat thread of this process (one per process, started once, runs until :meth:`stop` or exit)."""
 
-    def __init__(self, interval_s: float) -> None:
+    def __init__(self, interval_s: float, key: str | None = None, client: Any = None) -> None:
+        """A worker's heartbeat (key and client from the environment), or ``key`` written through ``client`` (a
+        control-store client this thread alone uses)."""
         self.interval_s = interval_s
-        self.key = heartbeat_key(os.environ[ENV_NODE_ID], int(os.environ["LOCAL_RANK"]))
+        self.key = key or heartbeat_key(os.environ[ENV_NODE_ID], int(os.environ["LOCAL_RANK"]))
         self._store_timeout_s = max(10.0, 4 * interval_s)
-        self._client = control_client_from_env(timeout_s=self._store_timeout_s)
+        self._client = client if client is not None else control_client_from_env(timeout_s=self._store_timeout_s)
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lightning-emig-heartbeat", daemon=True)
         self._client.set(self.key, str(time.time()))
@@ -85,7 +89,10 @@ class HeartbeatWatch:
         """Per key: the value last read, and when (our clock) it was first read with that value."""
 
     def stale(self, node_id: str, local_rank: int) -> bool:
-        key = heartbeat_key(node_id, local_rank)
+        return self.stale_key(heartbeat_key(node_id, local_rank))
+
+    def stale_key(self, key: str) -> bool:
+        """Whether the heartbeat under ``key`` (a worker's or an agent's) has stopped."""
         value = self.client.get(key) if self.client.check([key]) else None  # type: ignore[attr-defined]
         now = self.clock()
         last = self._last.get(key)
