@@ -7,6 +7,7 @@ ones. A must wait for both B and C, and B must form generation 2, not the genera
 
 from __future__ import annotations
 
+import os
 import threading
 from datetime import timedelta
 
@@ -202,3 +203,37 @@ def test_a_joiner_that_died_while_starting_does_not_hold_the_others_back(c_is: s
     assert first == 2 and active_generation(store) == 2
     info = read_generation(store, 2)
     assert [(n.node_id, n.ranks, n.kept_workers) for n in info.nodes] == [("a", (0,), True), ("b", (1,), True)]
+
+
+def test_holders_whose_new_generation_cannot_form_retreat_into_one_of_their_own(monkeypatch: pytest.MonkeyPatch
+                                                                                ) -> None:
+    """Generation 1 (A holding the state, joiner B) cannot form (B died as it formed). A, the one holder, publishes
+    and forms its own generation — A only, at its old rank, committed — and goes on with its handoff there."""
+    from lightning_emig.launcher.generation import worker_env
+    from lightning_emig.layout import HybridLayout
+    from lightning_emig.membership.group import generation_env
+    from lightning_emig.membership.handoff import LiveHandoff
+    from lightning_emig.membership.retreat import retreat
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    for key, value in {**worker_env(node_id="127.0.0.1_1", control_address=f"127.0.0.1:{server.port}", prefix="lightning_emig/r/",
+                                    generation=0, join_live=False), "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    control = dist.PrefixStore("lightning_emig/r/", server)
+    _publish(control, ("127.0.0.1_1", False))
+    _publish(control, ("127.0.0.1_1", True), ("127.0.0.2_2", False))
+    commit_generation(control, 1)
+    for key in generation_env(read_generation(control, 1), "127.0.0.1_1", 0):
+        if key != "LOCAL_RANK":
+            monkeypatch.delenv(key, raising=False)  # restored after the test: entering a generation rewrites them
+    handoff = LiveHandoff(generation=1, old_generation=0, old_layout=HybridLayout(), old_world=1, old_rank=0,
+                          state=None, metadata={}, last_step_wall=0.0)
+    generation = retreat(handoff, 1, "gloo", timedelta(seconds=10), timeout_s=10)
+    try:
+        assert generation == 2 and active_generation(control) == 2 and dist.get_world_size() == 1
+        info = read_generation(control, 2)
+        assert [(n.node_id, n.ranks, n.kept_workers) for n in info.nodes] == [("127.0.0.1_1", (0,), True)]
+        assert info.master_addr == "127.0.0.1"  # the holder's host: it hosts the store
+        assert os.environ["RANK"] == "0" and os.environ["WORLD_SIZE"] == "1"
+    finally:
+        dist.destroy_process_group()

@@ -39,13 +39,14 @@ from lightning_emig.launcher.generation import (
     ENV_AGENT_PID,
     ENV_GENERATION,
     ENV_NODE_ID,
+    GenerationError,
     control_client_from_env,
     read_generation,
 )
 from lightning_emig.launcher.heartbeat import start_heartbeat
 from lightning_emig.launcher.orphans import die_with_parent
 from lightning_emig.layout import HybridLayout, LayoutMesh, build_mesh
-from lightning_emig.membership.admission import await_admission
+from lightning_emig.membership.admission import LeftOutError, await_admission
 from lightning_emig.membership.failure import FailureSettings
 from lightning_emig.membership.group import (
     enter_generation,
@@ -299,12 +300,21 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             return
         client = control_client_from_env()
         node_id, local_rank = os.environ[ENV_NODE_ID], int(os.environ["LOCAL_RANK"])
-        if self.live_join and self._incoming_handoff is None:
+        joiner = self.live_join and self._incoming_handoff is None
+        if joiner:
             patience = self.timeout.total_seconds() + self.failure_settings.failure_timeout_s
             self.generation = await_admission(client, node_id, local_rank, started_in=self.generation,
                                               timeout_s=patience)
         backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
-        enter_generation(read_generation(client, self.generation), node_id, local_rank, backend, self.timeout)
+        try:
+            enter_generation(read_generation(client, self.generation), node_id, local_rank, backend, self.timeout)
+        except GenerationError:
+            if not joiner:
+                raise
+            # A member died as the group formed; the holders form one of their own (membership.retreat). This
+            # process holds nothing: it leaves, and its agent brings a fresh one in through a new round.
+            log.exception("generation %d could not be formed: leaving as left out", self.generation)
+            raise LeftOutError from None
 
     def install_mesh(self, layout_mesh: LayoutMesh, plan: BatchPlan) -> None:
         self._layout_mesh = layout_mesh
@@ -585,6 +595,12 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         record, last_step_wall, loaded_at = self._join
         self._join = None
         record = dataclasses.replace(record, seconds={**record.seconds, "first_step": time.perf_counter() - loaded_at})
+        if record.kind == "join" and (record.old_world, record.old_layout) == (record.new_world, record.new_layout):
+            # The holders' own generation after one that could not form (membership.retreat): no change to record.
+            if self.global_rank == 0:
+                log.warning("training again on the same %d process(es) after %.1fs: the generation they switched to "
+                            "could not form", self.world_size, time.time() - last_step_wall)
+            return
         self._record_event(trainer, ReconfigureEvent.of(record, generation=self.generation,
                                                         downtime_seconds=time.time() - last_step_wall))
 

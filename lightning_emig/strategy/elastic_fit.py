@@ -43,6 +43,7 @@ from typing_extensions import override
 
 from lightning_emig.launcher.generation import (
     ENV_NODE_ID,
+    GenerationError,
     allowed_worlds_from_env,
     control_client_from_env,
     read_generation,
@@ -51,6 +52,7 @@ from lightning_emig.membership.below_min import wait_for_enough_nodes
 from lightning_emig.membership.failure import Rollback, is_peer_failure, recover_from_failure
 from lightning_emig.membership.group import enter_generation, joining_live
 from lightning_emig.membership.handoff import LIVE_CHECKPOINT, LiveHandoff
+from lightning_emig.membership.retreat import retreat
 from lightning_emig.strategy.reconfigure import drop_model
 from lightning_emig.strategy.resume import newest_checkpoint
 
@@ -137,7 +139,7 @@ class ElasticFitLauncher(_Launcher):
             log.warning("this process's node was preempted and its state handed over: leaving the job (exit 0)")
             raise SystemExit(0)
         handoff.lap("teardown")
-        switch_to_generation(handoff.generation, timeout=strategy.timeout)
+        self._switch(handoff, handoff.generation)
         handoff.lap("group")
         return self._continue_live(trainer, handoff, drop_model(trainer.lightning_module))
 
@@ -155,6 +157,17 @@ class ElasticFitLauncher(_Launcher):
             return outcome.checkpoint
         return self._continue_live(trainer, outcome, dropped)
 
+    def _switch(self, handoff: LiveHandoff, generation: int) -> None:
+        """Into ``generation`` with the live state; if its group cannot be formed (a member died meanwhile), into the
+        holders' own generation instead (:mod:`~lightning_emig.membership.retreat`)."""
+        strategy = self._strategy
+        backend = dist.get_backend() if dist.is_initialized() else "gloo"
+        try:
+            switch_to_generation(generation, timeout=strategy.timeout)
+        except GenerationError:
+            patience = strategy.timeout.total_seconds() + strategy.failure_settings.failure_timeout_s
+            handoff.generation = retreat(handoff, generation, backend, strategy.timeout, timeout_s=patience)
+
     def _continue_live(self, trainer: pl.Trainer, handoff: LiveHandoff, dropped: list[str]) -> str:
         """Below MIN, wait for joiners with the state in memory; then the next fit takes the handoff live."""
         strategy = self._strategy
@@ -166,7 +179,7 @@ class ElasticFitLauncher(_Launcher):
             if handoff.prior is not None:  # the change that left too few nodes is an event of its own
                 strategy.record_prior_event(trainer, handoff, time.perf_counter() - waiting_since)
             handoff.generation = newer
-            switch_to_generation(newer, timeout=strategy.timeout)
+            self._switch(handoff, newer)
             handoff.phase_started = time.perf_counter()
         strategy.prepare_next_fit(handoff=handoff, dropped=dropped)
         return LIVE_CHECKPOINT
