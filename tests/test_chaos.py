@@ -1,0 +1,127 @@
+"""Chaos: a seeded random schedule of joins, announced preemptions and kills, played against simulated nodes.
+
+``lightning-emig-run`` agents on loopback addresses (node ``a`` on 127.0.0.2 hosts the c10d store and is never
+acted on; the others on 127.0.0.3 .. 127.0.0.9), one worker each, ``--nnodes=2:4``, ``--max-restarts=2``, the tiny
+model on synthetic data, ``layout=hsdp`` (two replicas on worlds 2 and 4, none on 3), ``trainer.pg_timeout_s=60``,
+heartbeats every 0.5 s judged stale after 5 s, a checkpoint every 25 steps, ``data.ledger=true``.
+
+The schedule (:func:`lightning_emig.testing.chaos.make_schedule`) holds bursts (events < 1.5 s apart), a join while
+the previous joiner is still starting, dips below MIN followed by a join, every kind of event. Specification of the
+run (:func:`lightning_emig.testing.chaos.check_run`): every agent not killed exits 0 (preempted ones included);
+every sample of every step trained exactly once apart from the steps the events declare rolled back; no rollback
+where replicas existed; every step's loss within a relative 1e-4 of the uninterrupted single-process run;
+``events.jsonl`` one event per change, worlds chaining; no process left behind.
+
+* ``test_a_seeded_chaos_schedule``: 12 events, in the default suite; seeds from ``LIGHTNING_EMIG_CHAOS_SEEDS``
+  (comma-separated, default ``1``).
+* ``test_a_long_chaos_schedule``: 32 events, only with ``LIGHTNING_EMIG_CHAOS_LONG=1``; writes its results to
+  ``docs/results/chaos_long.md`` (seed ``LIGHTNING_EMIG_CHAOS_LONG_SEED``, default 7).
+
+Nothing here waits on a wall-clock threshold: ``trainer.max_steps`` is sized so training outlasts the schedule on a
+slow machine, and a run where it did not is reported as such (the ``run`` check), not as a library failure.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from lightning_emig.testing.chaos import (
+    HOST,
+    REUSE_AFTER_S,
+    ChaosResult,
+    ChaosRun,
+    ChaosSettings,
+    ScheduleSpec,
+    check_run,
+    has_burst,
+    has_overlap,
+    initial_nodes,
+    make_schedule,
+)
+from lightning_emig.testing.nodes import REPO
+
+SEEDS = [int(s) for s in os.environ.get("LIGHTNING_EMIG_CHAOS_SEEDS", "1").split(",")]
+LONG = os.environ.get("LIGHTNING_EMIG_CHAOS_LONG") == "1"
+LONG_SEED = int(os.environ.get("LIGHTNING_EMIG_CHAOS_LONG_SEED", "7"))
+LONG_RESULTS = REPO / "docs" / "results" / "chaos_long.md"
+
+
+def _train(max_steps: int) -> tuple[str, ...]:
+    """A global batch of 24 in micro-batches of 2: whole on 1, 2, 3 and 4 data-parallel ranks."""
+    return ("data=synthetic", "model=tiny", f"trainer.max_steps={max_steps}", "trainer.global_batch_size=24",
+            "trainer.micro_batch_size=2", "trainer.progress_bar=false", "trainer.pg_timeout_s=60",
+            "trainer.checkpoint_every_n_steps=25", "elastic.heartbeat_interval_s=0.5",
+            "elastic.heartbeat_timeout_s=5")
+
+
+def _play(out_dir: Path, spec: ScheduleSpec, max_steps: int) -> tuple[ChaosResult, ChaosRun]:
+    schedule = make_schedule(spec)
+    settings = ChaosSettings(base_args=_train(max_steps), min_nodes=spec.min_nodes, max_nodes=spec.max_nodes,
+                             max_restarts=spec.max_restarts)
+    run = ChaosRun(out_dir, schedule, settings)
+    run.run()  # stops every process it started, whatever happens
+    result = check_run(run, spec.seed)
+    print(result.markdown(f"chaos, seed {spec.seed}"))
+    return result, run
+
+
+# --- the schedule --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("events", [12, 32])
+def test_a_schedule_keeps_the_jobs_limits(seed: int, events: int) -> None:
+    spec = ScheduleSpec(seed=seed, events=events)
+    schedule = make_schedule(spec)
+    assert schedule == make_schedule(spec), "the same seed draws another schedule"
+    assert len(schedule) == events and has_burst(schedule) and has_overlap(schedule)
+    live = dict(initial_nodes(spec.min_nodes))  # name -> address
+    ever, kills, left_at, clock = set(live), dict.fromkeys(live, 0), {}, 0.0
+    for before, event in zip([None, *schedule], schedule, strict=False):
+        clock += event.delay_s
+        assert event.node != HOST, "the store's host was acted on"
+        if before is not None and len(live) < spec.min_nodes:
+            assert event.kind == "join", f"below MIN and no join next: {before}, then {event}"
+        if event.kind == "join":
+            assert event.node not in ever and event.address not in live.values(), f"{event}: name or address in use"
+            vacated = left_at.get(event.address, -REUSE_AFTER_S)
+            assert clock - vacated >= REUSE_AFTER_S, f"{event}: address reused {clock - vacated:.1f}s after it was left"
+            live[event.node], kills[event.node] = event.address, 0
+            ever.add(event.node)
+        else:
+            assert event.node in live, f"{event} acts on a node that is not in the job"
+        if event.kind == "kill_worker":
+            kills[event.node] += 1
+            assert kills[event.node] <= spec.max_restarts, f"{event.node} has no restart left"
+        if event.kind in ("preempt", "kill_node"):
+            left_at[live.pop(event.node)] = clock
+        assert 1 <= len(live) <= spec.max_nodes and HOST in live
+    assert len(live) >= spec.min_nodes, "the job ends below MIN"
+
+
+# --- the runs ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_seeded_chaos_schedule(tmp_path: Path, seed: int) -> None:
+    result, run = _play(tmp_path, ScheduleSpec(seed=seed, events=12), max_steps=700)
+    assert result.ok, result.explain(run)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(3000)
+@pytest.mark.skipif(not LONG, reason="long chaos run: set LIGHTNING_EMIG_CHAOS_LONG=1")
+def test_a_long_chaos_schedule(tmp_path: Path) -> None:
+    result, run = _play(tmp_path, ScheduleSpec(seed=LONG_SEED, events=32), max_steps=2400)
+    LONG_RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    command = (f"LIGHTNING_EMIG_CHAOS_LONG=1 LIGHTNING_EMIG_CHAOS_LONG_SEED={LONG_SEED} "
+               ".venv/bin/pytest -q tests/test_chaos.py -k long -s")
+    LONG_RESULTS.write_text(result.markdown(f"Long chaos run: {len(result.played)} events", command))
+    assert result.ok, result.explain(run)
