@@ -395,13 +395,13 @@ def test_a_round_without_an_alive_holder_of_the_live_state_is_refused() -> None:
     and so is any round before a commitment (the first one)."""
     import threading
 
-    from lightning_emig.launcher.agent import holders_missing
     from lightning_emig.launcher.generation import (
         ACTIVE_GENERATION_KEY,
         dead_key,
         heartbeat_key,
         leaving_key,
     )
+    from lightning_emig.launcher.rounds import holders_missing
 
     store = dist.HashStore()
     round_nodes = [NodeEntry(node_id="a", ranks=(0,), kept_workers=True),

@@ -60,11 +60,9 @@ from lightning_emig.launcher.generation import (
     LEFT_OUT_EXIT_CODE,
     GenerationError,
     NodeEntry,
-    active_generation,
     agent_heartbeat_key,
     control_prefix,
     dead_key,
-    heartbeat_key,
     latest_generation,
     leaving_key,
     make_node_id,
@@ -76,6 +74,7 @@ from lightning_emig.launcher.generation import (
     worker_env,
 )
 from lightning_emig.launcher.heartbeat import Heartbeat
+from lightning_emig.launcher.rounds import REFUSED_ROUNDS_S, ROUND_REFUSED, RoundRefusedError, holders_missing
 from lightning_emig.launcher.store_host import hosts_port
 
 logger = logging.getLogger(__name__)
@@ -108,15 +107,6 @@ ROUND_ATTEMPTS = 3
 out) is run again: the others are alive, and without this the agent — perhaps the one hosting the c10d store — would
 exit and take the job with it."""
 
-REFUSED_ROUNDS_S = 600.0
-"""How long rounds may be refused for missing holders before the agent gives up (see :func:`holders_missing`)."""
-
-ROUND_REFUSED = "refused"
-"""What the round's rank 0 hands the round instead of a generation number when it refuses the round."""
-
-HOLDER_ALIVE_WINDOW_S = 5.0
-"""A node of the holders' generation is alive when one of its workers' heartbeats changes within this window."""
-
 ROUND_GENERATION_KEY = "lightning_emig/generation"
 """Key in the rendezvous round's own store through which rank 0 hands the round its generation number."""
 
@@ -141,40 +131,6 @@ def find_tcp_store(store: dist.Store) -> dist.TCPStore:
 class _LeaveJob(Exception):  # noqa: N818 - a way out, not an error
     """This preempted node has nothing (left) to hand off: its agent leaves the job, exit 0 (see
     ``MembershipAgent.run``)."""
-
-
-class RoundRefusedError(RuntimeError):
-    """A rendezvous round that would split the job: nodes holding the live state are alive but not in it."""
-
-
-def holders_missing(control: Any, nodes: list[NodeEntry], window_s: float = HOLDER_ALIVE_WINDOW_S) -> list[str]:
-    """Nodes of the generation the state holders are in that are alive (a worker's heartbeat changes within
-    ``window_s``), not leaving, not marked dead, and not among ``nodes``.
-
-    torch's rendezvous can complete a round without them: new nodes waiting form one on their own while the holders'
-    agents are still leaving a round a node died in. Published, such a round would be a second job: its workers would
-    start from a checkpoint while the holders train on. Refused, the next round has everyone."""
-    holders = active_generation(control)
-    if holders < 0:
-        return []
-    in_round = {node.node_id for node in nodes}
-    candidates = [node for node in read_generation(control, holders).nodes
-                  if node.node_id not in in_round and not control.check([dead_key(node.node_id)])
-                  and not control.check([leaving_key(node.node_id)])]
-    if not candidates:
-        return []
-    keys = {node.node_id: [heartbeat_key(node.node_id, lr) for lr in range(len(node.ranks))] for node in candidates}
-    first = {key: _read(control, key) for node_keys in keys.values() for key in node_keys}
-    alive: set[str] = set()
-    deadline = time.monotonic() + window_s
-    while time.monotonic() < deadline and len(alive) < len(keys):
-        time.sleep(0.25)
-        alive |= {node for node, node_keys in keys.items() if any(_read(control, k) != first[k] for k in node_keys)}
-    return sorted(alive)
-
-
-def _read(control: Any, key: str) -> bytes | None:
-    return control.get(key) if control.check([key]) else None
 
 
 def _left_out(result: RunResult) -> bool:
