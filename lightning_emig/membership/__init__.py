@@ -5,9 +5,13 @@
   reads for it;
 * :mod:`~lightning_emig.membership.settings`: what every change asks, and the one rule that lays out a new world;
 * :mod:`~lightning_emig.membership.handoff`: :class:`LiveHandoff`, what a running process carries into its next fit;
+* :mod:`~lightning_emig.membership.admission`: which generation the holders of the state are in, and how a worker
+  started into a later one gets in (overlapping rounds);
 * :mod:`~lightning_emig.membership.preempt`, :mod:`~lightning_emig.membership.failure`,
-  :mod:`~lightning_emig.membership.below_min`: leaving with notice, abrupt failure, waiting below MIN;
-* :mod:`~lightning_emig.launcher.heartbeat`: liveness of workers, judged on the reader's clock.
+  :mod:`~lightning_emig.membership.below_min`, :mod:`~lightning_emig.membership.retreat`: leaving with notice, abrupt
+  failure, waiting below MIN, a new generation that cannot form.
+
+Heartbeats (liveness judged on the reader's clock) are the launcher's: :mod:`lightning_emig.launcher.heartbeat`.
 
 The Lightning side (the per-step agreement callback, the live join, one fit call per job) is in
 :mod:`lightning_emig.strategy`.
