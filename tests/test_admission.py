@@ -139,8 +139,7 @@ def test_a_generation_that_nobody_forms_fails_naming_what_was_waited_for(monkeyp
     from lightning_emig.testing.distributed import free_port
 
     info = read_generation(_store_with(("a", False), ("b", False), port=free_port()), 0)
-    for key in generation_env(info, "b", 0):  # entering rewrites torchrun's variables: restored after the test
-        monkeypatch.delenv(key, raising=False)
+    _restore_after_test(monkeypatch, generation_env(info, "b", 0))  # entering rewrites torchrun's variables
     with pytest.raises(GenerationError, match=r"rank 1 could not form generation 0's process group \(world 2, store "
                                               r"127.0.0.1:\d+, timeout 1s\)"):
         enter_generation(info, "b", 0, "gloo", timedelta(seconds=1))
@@ -223,9 +222,8 @@ def test_holders_whose_new_generation_cannot_form_retreat_into_one_of_their_own(
     _publish(control, ("127.0.0.1_1", False))
     _publish(control, ("127.0.0.1_1", True), ("127.0.0.2_2", False))
     commit_generation(control, 1)
-    for key in generation_env(read_generation(control, 1), "127.0.0.1_1", 0):
-        if key != "LOCAL_RANK":
-            monkeypatch.delenv(key, raising=False)  # restored after the test: entering a generation rewrites them
+    _restore_after_test(monkeypatch, [k for k in generation_env(read_generation(control, 1), "127.0.0.1_1", 0)
+                                      if k != "LOCAL_RANK"])  # entering a generation rewrites them
     handoff = LiveHandoff(generation=1, old_generation=0, old_layout=HybridLayout(), old_world=1, old_rank=0,
                           state=None, metadata={}, last_step_wall=0.0)
     generation = retreat(handoff, 1, "gloo", timedelta(seconds=10), timeout_s=10)
@@ -237,3 +235,11 @@ def test_holders_whose_new_generation_cannot_form_retreat_into_one_of_their_own(
         assert os.environ["RANK"] == "0" and os.environ["WORLD_SIZE"] == "1"
     finally:
         dist.destroy_process_group()
+
+
+def _restore_after_test(monkeypatch: pytest.MonkeyPatch, keys: object) -> None:
+    """These variables are absent during the test and as they were before it afterwards (a bare ``delenv`` of an
+    absent variable records nothing: what the test then sets would leak into later tests)."""
+    for key in keys:  # type: ignore[attr-defined]
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)

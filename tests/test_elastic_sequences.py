@@ -44,6 +44,7 @@ from pathlib import Path
 import pytest
 
 from lightning_emig.strategy.events import read_events
+from lightning_emig.strategy.resume import is_complete
 from lightning_emig.testing.commands import descendants, is_alive
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.held_train import (
@@ -57,8 +58,10 @@ from lightning_emig.testing.nodes import log_tail, start_node, stop_agents, wait
 from lightning_emig.training.step_times import read_step_times
 
 MAX_STEPS = 250
+CHECKPOINT_EVERY = 50
 TRAIN = ["data=synthetic", "model=tiny", f"trainer.max_steps={MAX_STEPS}", "trainer.global_batch_size=12",
-         "trainer.micro_batch_size=2", "trainer.progress_bar=false", "trainer.pg_timeout_s=30", "data.ledger=true"]
+         "trainer.micro_batch_size=2", "trainer.progress_bar=false", "trainer.pg_timeout_s=30", "data.ledger=true",
+         f"trainer.checkpoint_every_n_steps={CHECKPOINT_EVERY}"]
 REL_TOL = 1e-4
 ADDRESSES = {"a": "127.0.0.2", "b": "127.0.0.3", "c": "127.0.0.4"}
 
@@ -237,6 +240,12 @@ def test_a_join_while_a_migration_is_running(tmp_path: Path) -> None:
     held = [line for line in nodes.log("a").splitlines() if "test hold: generation 2 published" in line]
     assert held, f"A's migration into generation 1 was not running when generation 2 appeared:\n{nodes.logs()}"
     events, _ = _check_run(nodes, a_workers, final_world=3)
+    # Periodic checkpoints keep working on the uneven world the joins made (3 ranks: shards of 86, 86, 84 rows).
+    due = range(CHECKPOINT_EVERY * (events[-1]["step"] // CHECKPOINT_EVERY + 1), MAX_STEPS + 1, CHECKPOINT_EVERY)
+    assert due, "no periodic checkpoint fell after the join into three"
+    for step in due:
+        assert is_complete(nodes.run_dir / "checkpoints" / f"step{step:06d}.ckpt"), f"checkpoint of step {step}"
+    assert "CHECKPOINT FAILED" not in nodes.logs()
     assert [(e["kind"], e["old_world"], e["new_world"], e["generation"]) for e in events] == [
         ("join", 1, 2, 1), ("join", 2, 3, 2)], events
     assert events[1]["step"] < MAX_STEPS - 1, "C joined too late to train on the world of three"
