@@ -54,10 +54,13 @@ def python_module_command(module: str, *args: str) -> list[str]:
 def run_command(
     cmd: Sequence[str], *, timeout_s: float, cwd: Path | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
+    from lightning_emig.launcher.orphans import die_with_parent
+
     full_env = {**os.environ, **(env or {})}
-    proc = subprocess.Popen(
+    caller = os.getpid()
+    proc = subprocess.Popen(  # dies with the caller: a test runner killed by a timeout leaves no command running
         list(cmd), cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
+        start_new_session=True, preexec_fn=lambda: die_with_parent(expected_parent=caller),
     )
     try:
         out, _ = proc.communicate(timeout=timeout_s)
