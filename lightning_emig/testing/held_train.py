@@ -185,6 +185,7 @@ def hold_at_steps(steps: set[int], release_dir: str, timeout_s: float = HOLD_TIM
             while not release.exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
             log.warning("test hold: step %d released", step)
+            self._last_poll = float("-inf")  # the held step always reads the store (whatever the test did meanwhile)
         on_batch_end(self, trainer, *args, **kwargs)
 
     RendezvousCallback.on_train_batch_end = held_on_batch_end  # type: ignore[method-assign]
