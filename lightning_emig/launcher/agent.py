@@ -189,7 +189,7 @@ class MembershipAgent(LocalElasticAgent):
         """Our workers failed: tell the survivors, stop the rest, wait for their generation without this node."""
         assert self._control is not None
         control = self._control
-        control.set(dead_key(self.node_id), json.dumps({"time": time.time(), "generation": self.generation}))
+        self._mark_dead()
         logger.error("[%s] WORKER FAILURE on this node: marked it dead for the survivors; stopping its workers",
                      self.node_id)
         self._stop_workers(worker_group)
@@ -208,6 +208,11 @@ class MembershipAgent(LocalElasticAgent):
         logger.error("[%s] no generation without this node within %.0fs: torchrun's restart path",
                      self.node_id, self.failure_wait_s)
         return False
+
+    def _mark_dead(self) -> None:
+        """``dead/<node_id>``: this node's workers failed; the survivors need not wait for stale heartbeats."""
+        assert self._control is not None
+        self._control.set(dead_key(self.node_id), json.dumps({"time": time.time(), "generation": self.generation}))
 
     def _peer_restarting(self) -> bool:
         return self._control is not None and self._control.check([restart_key(self.generation)])
@@ -376,7 +381,7 @@ class MembershipAgent(LocalElasticAgent):
         if failed and self._notice_at is not None and self._control is not None:
             # Preempted, and its workers are gone (killed, left out, or died handing off): the node goes, as announced;
             # for the survivors it is a failure (marked, so they need not wait for stale heartbeats).
-            self._control.set(dead_key(self.node_id), json.dumps({"time": time.time(), "generation": self.generation}))
+            self._mark_dead()
             raise _LeaveJob("preemption notice, and this node's workers failed")
         if result.state == WorkerState.FAILED and _left_out(result):
             self._rejoin_left_out(worker_group)
@@ -401,7 +406,7 @@ class MembershipAgent(LocalElasticAgent):
         """
         if not self.live_membership or self._control is None:
             return
-        self._control.set(dead_key(self.node_id), json.dumps({"time": time.time(), "generation": self.generation}))
+        self._mark_dead()
         logger.error("[%s] WORKER FAILURE and no restart left (--max-restarts): this node leaves the job",
                      self.node_id)
         self._exit_rendezvous_round()

@@ -65,13 +65,19 @@ class LeftOutError(SystemExit):
         super().__init__(LEFT_OUT_EXIT_CODE)
 
 
+def _joining_workers(info: GenerationInfo, holders: GenerationInfo) -> dict[str, list[tuple[str, int]]]:
+    """Per node of ``info``: its workers that are not workers of ``holders`` (nodes with none are left out)."""
+    members = {(node.node_id, local_rank) for node in holders.nodes for local_rank in range(len(node.ranks))}
+    joining = {node.node_id: [(node.node_id, lr) for lr in range(len(node.ranks)) if (node.node_id, lr) not in members]
+               for node in info.nodes}
+    return {node_id: workers for node_id, workers in joining.items() if workers}
+
+
 def joiners_ready(client: dist.Store, info: GenerationInfo, holders: GenerationInfo) -> bool:
     """Every worker of ``info`` that is not a worker of ``holders`` (the generation the state holders are in) has
     announced its start-up done."""
-    members = {(node.node_id, local_rank) for node in holders.nodes for local_rank in range(len(node.ranks))}
-    joiners = [(node.node_id, local_rank) for node in info.nodes for local_rank in range(len(node.ranks))
-               if (node.node_id, local_rank) not in members]
-    return all(client.check([ready_key(*joiner)]) for joiner in joiners)
+    return all(client.check([ready_key(*worker)])
+               for workers in _joining_workers(info, holders).values() for worker in workers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,18 +92,14 @@ class Joiners:
 
 
 def joiners_of(client: dist.Store, info: GenerationInfo, holders: GenerationInfo, watch: HeartbeatWatch) -> Joiners:
-    members = {(node.node_id, local_rank) for node in holders.nodes for local_rank in range(len(node.ranks))}
     ready, starting, dead = [], [], []
-    for node in info.nodes:
-        workers = [(node.node_id, lr) for lr in range(len(node.ranks)) if (node.node_id, lr) not in members]
-        if not workers:
-            continue
-        if client.check([dead_key(node.node_id)]) or watch.stale_key(agent_heartbeat_key(node.node_id)):
-            dead.append(node.node_id)
+    for node_id, workers in _joining_workers(info, holders).items():
+        if client.check([dead_key(node_id)]) or watch.stale_key(agent_heartbeat_key(node_id)):
+            dead.append(node_id)
         elif all(client.check([ready_key(*worker)]) for worker in workers):
-            ready.append(node.node_id)
+            ready.append(node_id)
         else:
-            starting.append(node.node_id)
+            starting.append(node_id)
     return Joiners(tuple(ready), tuple(starting), tuple(dead))
 
 
