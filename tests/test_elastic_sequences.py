@@ -114,6 +114,16 @@ class Nodes:
         for name, proc in self.agents.items():
             assert proc.returncode == 0, f"agent {name} exited {proc.returncode}:\n{self.logs()}"
 
+    def wait_for_log(self, name: str, text: str, timeout_s: float, what: str) -> None:
+        """Until ``text`` is in node ``name``'s log; fails with ``what`` and every log if an agent exits first."""
+        wait_for(lambda: text in self.log(name) or self.any_exited(), timeout_s, f"{what}:\n{self.logs()}")
+
+    def finish(self, timeout_s: float) -> None:
+        """Every agent exits 0, and no process any agent started is left behind."""
+        self.wait_all(timeout_s)
+        left = self.left_behind()
+        assert not left, f"processes left behind: {left}"
+
     def left_behind(self) -> list[int]:
         """Processes any agent started that are still alive (call after the agents exited)."""
         self._stop.set()
@@ -204,10 +214,8 @@ def _join_and_preempt(nodes: Nodes, notice: str) -> list[int]:
         wait_for(lambda: re.search(r"Detected \d+ new nodes", nodes.log("b")) is not None or nodes.any_exited(), 60,
                  f"B's agent never saw C waiting:\n{nodes.logs()}")
     os.kill(nodes.agents["b"].pid, signal.SIGTERM)
-    nodes.wait_all(180)
+    nodes.finish(180)
     assert not any(is_alive(p) for p in b_workers), "B's worker outlived its agent"
-    left = nodes.left_behind()
-    assert not left, f"processes left behind: {left}"
     return a_workers
 
 
@@ -224,16 +232,13 @@ def test_a_join_while_a_migration_is_running(tmp_path: Path) -> None:
                   env={ENV_HOLD_UNTIL_GENERATION: "2"})
     try:
         nodes.start("a")
-        wait_for(lambda: "generation 0: world 1" in nodes.log("a") or nodes.any_exited(), 60,
-                 f"A did not start:\n{nodes.logs()}")
+        nodes.wait_for_log("a", "generation 0: world 1", 60, "A did not start")
         nodes.start("b")  # A's worker starts up meanwhile; it trains alone until B's worker is ready
-        wait_for(lambda: "generation 1 published: handing over live state" in nodes.log("a") or nodes.any_exited(),
-                 120, f"A never handed its state to generation 1:\n{nodes.logs()}")
+        nodes.wait_for_log("a", "generation 1 published: handing over live state", 120,
+                           "A never handed its state to generation 1")
         a_workers = nodes.workers("a")
         nodes.start("c")
-        nodes.wait_all(180)
-        left = nodes.left_behind()
-        assert not left, f"processes left behind: {left}"
+        nodes.finish(180)
     finally:
         nodes.close()
 
@@ -266,16 +271,12 @@ def test_a_second_join_while_the_first_joiner_is_still_starting(tmp_path: Path) 
                   env={ENV_HOLD_TRAINING_UNTIL_GENERATION: "2"})
     try:
         nodes.start("a")
-        wait_for(lambda: "generation 0: world 1" in nodes.log("a") or nodes.any_exited(), 60,
-                 f"A did not start:\n{nodes.logs()}")
+        nodes.wait_for_log("a", "generation 0: world 1", 60, "A did not start")
         a_workers = nodes.workers("a")
         nodes.start("b", env={ENV_HOLD_ADMISSION_UNTIL_GENERATION: "2"})  # B's start-up outlasts C's round
-        wait_for(lambda: "generation 1: world 2" in nodes.log("a") or nodes.any_exited(), 60,
-                 f"B's round was never published:\n{nodes.logs()}")
+        nodes.wait_for_log("a", "generation 1: world 2", 60, "B's round was never published")
         nodes.start("c")
-        nodes.wait_all(180)
-        left = nodes.left_behind()
-        assert not left, f"processes left behind: {left}"
+        nodes.finish(180)
     finally:
         nodes.close()
     assert "rounds overlapped" in nodes.log("b"), nodes.log("b")
@@ -300,12 +301,9 @@ def test_a_joiner_left_out_by_a_drain_comes_back_through_a_new_round(tmp_path: P
                  120, f"A and B did not train as a world of two:\n{nodes.logs()}")
         a_workers = nodes.workers("a")
         nodes.start("c", env={ENV_HOLD_ADMISSION_UNTIL_GENERATION: "2"})  # C is starting until the drain is done
-        wait_for(lambda: "generation 1: world 3" in nodes.log("a") or nodes.any_exited(), 60,
-                 f"C's round was never published:\n{nodes.logs()}")
+        nodes.wait_for_log("a", "generation 1: world 3", 60, "C's round was never published")
         os.kill(nodes.agents["b"].pid, signal.SIGTERM)
-        nodes.wait_all(180)
-        left = nodes.left_behind()
-        assert not left, f"processes left behind: {left}"
+        nodes.finish(180)
     finally:
         nodes.close()
     assert "without this worker" in nodes.log("c") and "rejoining with fresh workers" in nodes.log("c"), nodes.log("c")
