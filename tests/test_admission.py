@@ -204,19 +204,23 @@ def test_a_joiner_that_died_while_starting_does_not_hold_the_others_back(c_is: s
     assert [(n.node_id, n.ranks, n.kept_workers) for n in info.nodes] == [("a", (0,), True), ("b", (1,), True)]
 
 
-def test_holders_whose_new_generation_cannot_form_retreat_into_one_of_their_own(monkeypatch: pytest.MonkeyPatch
-                                                                                ) -> None:
-    """Generation 1 (A holding the state, joiner B) cannot form (B died as it formed). A, the one holder, publishes
-    and forms its own generation — A only, at its old rank, committed — and goes on with its handoff there."""
-    from lightning_emig.launcher.generation import worker_env
+def test_holders_whose_new_generation_cannot_form_go_on_in_one_of_their_own(monkeypatch: pytest.MonkeyPatch
+                                                                             ) -> None:
+    """Generation 1 (A holding the state, joiner B) cannot form (B died as it formed). A, the one holder, recovers
+    among the holders: nobody of them died, so it publishes and forms its own generation — A only, at its old rank,
+    committed — and goes on with its handoff, unchanged, there."""
+    from types import SimpleNamespace
+
+    from lightning_emig.launcher.generation import GenerationError, worker_env
     from lightning_emig.layout import HybridLayout
+    from lightning_emig.membership.failure import FailureSettings, recover_from_failure
     from lightning_emig.membership.group import generation_env
     from lightning_emig.membership.handoff import LiveHandoff
-    from lightning_emig.membership.retreat import retreat
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    for key, value in {**worker_env(node_id="127.0.0.1_1", control_address=f"127.0.0.1:{server.port}", prefix="lightning_emig/r/",
-                                    generation=0, join_live=False), "LOCAL_RANK": "0"}.items():
+    for key, value in {**worker_env(node_id="127.0.0.1_1", control_address=f"127.0.0.1:{server.port}",
+                                    prefix="lightning_emig/r/", generation=0, join_live=False),
+                       "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(key, value)
     control = dist.PrefixStore("lightning_emig/r/", server)
     _publish(control, ("127.0.0.1_1", False))
@@ -224,11 +228,16 @@ def test_holders_whose_new_generation_cannot_form_retreat_into_one_of_their_own(
     commit_generation(control, 1)
     _restore_after_test(monkeypatch, [k for k in generation_env(read_generation(control, 1), "127.0.0.1_1", 0)
                                       if k != "LOCAL_RANK"])  # entering a generation rewrites them
-    handoff = LiveHandoff(generation=1, old_generation=0, old_layout=HybridLayout(), old_world=1, old_rank=0,
-                          state=None, metadata={}, last_step_wall=0.0)
-    generation = retreat(handoff, 1, "gloo", timedelta(seconds=10), timeout_s=10)
+    handoff = LiveHandoff(generation=1, holders=(("127.0.0.1_1", 0),), old_layout=HybridLayout(), old_world=1,
+                          old_rank=0, state=None, metadata={}, last_step_wall=0.0)
+    worker = SimpleNamespace(  # what recover_from_failure reads of a training process (membership.settings)
+        failure_settings=FailureSettings(failure_timeout_s=10), timeout=timedelta(seconds=10), reached_step=5,
+        process_group_backend="gloo", release_process_groups=lambda: None)
+    outcome = recover_from_failure(worker, GenerationError("generation 1: B died"), "127.0.0.1_1", 0,  # type: ignore[arg-type]
+                                   held=handoff)
     try:
-        assert generation == 2 and active_generation(control) == 2 and dist.get_world_size() == 1
+        assert outcome is handoff and handoff.generation == 2 and handoff.old_rank == 0
+        assert active_generation(control) == 2 and dist.get_world_size() == 1
         info = read_generation(control, 2)
         assert [(n.node_id, n.ranks, n.kept_workers) for n in info.nodes] == [("127.0.0.1_1", (0,), True)]
         assert info.master_addr == "127.0.0.1"  # the holder's host: it hosts the store

@@ -48,8 +48,10 @@ from lightning_emig.strategy.resume import is_complete
 from lightning_emig.testing.commands import descendants, is_alive
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.held_train import (
+    ENV_DIE_BEFORE_JOIN,
     ENV_HOLD_ADMISSION_UNTIL_GENERATION,
     ENV_HOLD_LEAVING_EXIT,
+    ENV_HOLD_STEPS_FOR_JOINERS,
     ENV_HOLD_TRAINING_UNTIL_GENERATION,
     ENV_HOLD_UNTIL_GENERATION,
 )
@@ -80,11 +82,12 @@ class Nodes:
         self._watch = threading.Thread(target=self._poll, daemon=True)
         self._watch.start()
 
-    def start(self, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    def start(self, name: str, env: dict[str, str] | None = None, *, max_restarts: int = 0) -> subprocess.Popen:
         self.agents[name] = start_node(
             self.tmp_path, name, local_addr=ADDRESSES[name], port=self.port, run_dir=self.run_dir,
             train_args=TRAIN, nnodes="1:3", rdzv_id=self.rdzv_id, rdzv_conf=f"is_host={str(name == 'a').lower()}",
             env={"LIGHTNING_EMIG_GRACE_S": "180", **self.env, **(env or {})}, module=self.module,
+            max_restarts=max_restarts,
         )
         self.started[name] = set()
         return self.agents[name]
@@ -310,3 +313,31 @@ def test_a_joiner_left_out_by_a_drain_comes_back_through_a_new_round(tmp_path: P
     events, _ = _check_run(nodes, a_workers, final_world=2)
     assert [(e["kind"], e["old_world"], e["new_world"], e["generation"]) for e in events] == [
         ("preempt", 2, 1, 2), ("join", 1, 2, 3)], events
+
+
+# --- 5. a joiner that dies after its generation formed, before any state moved -----------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_joiner_that_dies_before_the_state_moves_costs_no_rollback(tmp_path: Path) -> None:
+    """A trains alone; B joins (generation 1), and B's worker dies once generation 1's group has formed and the fit
+    has set up, as its live join begins. A's state has not moved: A goes on alone in a generation of its own at its
+    old rank (no event: nothing changed), and the worker B's agent starts again (``--max-restarts=1``) joins in a
+    later generation. No step is rolled back."""
+    nodes = Nodes(tmp_path, rdzv_id="dies-before-join", module="lightning_emig.testing.held_train",
+                  env={ENV_HOLD_TRAINING_UNTIL_GENERATION: "1", ENV_HOLD_STEPS_FOR_JOINERS: "1"})
+    try:
+        nodes.start("a")
+        nodes.wait_for_log("a", "generation 0: world 1", 60, "A did not start")
+        a_workers = nodes.workers("a")
+        nodes.start("b", env={ENV_DIE_BEFORE_JOIN: str(tmp_path / "b-died")}, max_restarts=1)
+        nodes.finish(240)
+    finally:
+        nodes.close()
+    assert "this joiner dies before its live join" in nodes.log("b"), nodes.log("b")
+    assert "go on in a generation of their own" in nodes.log("a"), nodes.log("a")
+    events, _ = _check_run(nodes, a_workers, final_world=2)
+    assert [(e["kind"], e["old_world"], e["new_world"]) for e in events] == [("join", 1, 2)], events
+    assert events[0]["generation"] >= 3, events  # B's first generation failed; A's own came after it

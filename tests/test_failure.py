@@ -100,7 +100,7 @@ def test_survivors_are_the_nodes_whose_every_worker_reported() -> None:
     store = dist.HashStore()
     info = _generation({"a": [0, 1], "b": [2, 3], "c": [4, 5]})
     for rank in (0, 1, 2, 4, 5):  # rank 3 (node b) never reports
-        store.set(report_key(3, rank), "{}")
+        store.set(report_key("failure/3", rank), "{}")
     store.set(dead_key("b"), "{}")  # b's agent saw its worker die
     decision = _decide_survivors(store, info, FailureSettings(failure_timeout_s=5))
     # Rank 2 reported but its node failed: its agent stops it, so it is no survivor.
@@ -111,8 +111,8 @@ def test_a_silent_worker_is_dead_once_its_heartbeat_is_stale() -> None:
 
     store = dist.HashStore()
     info = _generation({"a": [0], "b": [1], "c": [2]})
-    store.set(report_key(3, 0), "{}")
-    store.set(report_key(3, 2), "{}")
+    store.set(report_key("failure/3", 0), "{}")
+    store.set(report_key("failure/3", 2), "{}")
     started = time.monotonic()
     store.set(heartbeat_key("b", 0), str(time.time() - 1.0))  # beat a second ago, then never again
     decision = _decide_survivors(store, info, FailureSettings(heartbeat_timeout_s=2.0, failure_timeout_s=10))
@@ -149,8 +149,8 @@ def test_the_first_decision_wins() -> None:
     store = dist.HashStore()
     info = _generation({"a": [0], "b": [1]})
     store.set("failure/3/decision", json.dumps({"survivors": [0], "dead_nodes": ["b"]}))
-    store.set(report_key(3, 0), "{}")
-    store.set(report_key(3, 1), "{}")  # b reported after all: too late, the decision stands
+    store.set(report_key("failure/3", 0), "{}")
+    store.set(report_key("failure/3", 1), "{}")  # b reported after all: too late, the decision stands
     assert _decide_survivors(store, info, FailureSettings(failure_timeout_s=5))["survivors"] == [0]
 
 

@@ -215,6 +215,12 @@ class GenerationInfo:
     def store_prefix(self) -> str:
         return store_prefix(self.generation)
 
+    @property
+    def members(self) -> tuple[tuple[str, int], ...]:
+        """``(node id, local rank)`` of each global rank, in rank order."""
+        by_rank = {rank: member for member, rank in self._rank_table.items()}
+        return tuple(by_rank[rank] for rank in range(self.world_size))
+
     def rank_of(self, node_id: str, local_rank: int) -> int:
         """Global rank of the worker ``(node_id, local_rank)`` in this generation."""
         try:

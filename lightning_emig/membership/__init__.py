@@ -8,8 +8,8 @@
 * :mod:`~lightning_emig.membership.admission`: which generation the holders of the state are in, and how a worker
   started into a later one gets in (overlapping rounds);
 * :mod:`~lightning_emig.membership.preempt`, :mod:`~lightning_emig.membership.failure`,
-  :mod:`~lightning_emig.membership.below_min`, :mod:`~lightning_emig.membership.retreat`: leaving with notice, abrupt
-  failure, waiting below MIN, a new generation that cannot form.
+  :mod:`~lightning_emig.membership.below_min`: leaving with notice, abrupt failure (also of a change before its state
+  moved), waiting below MIN.
 
 Heartbeats (liveness judged on the reader's clock) are the launcher's: :mod:`lightning_emig.launcher.heartbeat`.
 

@@ -21,6 +21,14 @@ which every survivor runs:
    restores the newest complete checkpoint resharded for the new world (step 0 if there is none) and says loudly
    how many steps were lost and why. Training never continues on partially restored state.
 
+**A change that fails before its state moves.** A member of the generation the holders switch to can die before
+any state has moved: as its process group forms, or while the next fit sets up (the mesh's sub-groups, the join's
+handshake). The holders still hold the live state, intact, in their handoff. They recover over *the holders* (keys
+``failure/<n>/holders/...``, ranks = the handoff's old ranks), with the same steps: a dead holder's shards are rebuilt
+from replicas, or they roll back; if no holder died (a joiner did), they form a generation of their own at their old
+ranks and go on with the handoff unchanged — no change happened, no event is recorded. The joiners of the failed
+generation hold nothing: they leave as left out and their agents bring them back in through a new round.
+
 A survivor excluded by the decision (it reported too late) raises :class:`ExcludedFromRecovery` and exits non-zero;
 its agent then treats its node as failed.
 """
@@ -38,6 +46,7 @@ import torch.distributed as dist
 
 from lightning_emig.launcher.generation import (
     GenerationInfo,
+    NodeEntry,
     control_client_from_env,
     dead_key,
     node_host,
@@ -100,30 +109,72 @@ def is_peer_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in PEER_FAILURE_MARKERS)
 
 
-def report_key(generation: int, rank: int) -> str:
-    return f"failure/{generation}/report/{rank}"
+def report_key(scope: str, rank: int) -> str:
+    return f"{scope}/report/{rank}"
 
 
-def decision_key(generation: int) -> str:
-    return f"failure/{generation}/decision"
+def decision_key(scope: str) -> str:
+    return f"{scope}/decision"
 
 
-def new_generation_key(generation: int) -> str:
-    return f"failure/{generation}/new_generation"
+def new_generation_key(scope: str) -> str:
+    return f"{scope}/new_generation"
+
+
+@dataclass(frozen=True, slots=True)
+class _Accounted:
+    """Whose state one recovery accounts for: its members, this process's rank among them, their layout, and this
+    process's consistent state."""
+
+    scope: str
+    """Prefix of the recovery's keys in the control store."""
+    members: GenerationInfo
+    rank: int
+    layout: HybridLayout
+    stash: LiveHandoff | None
+
+    @property
+    def world(self) -> int:
+        return self.members.world_size
+
+
+def _generation_members(strategy: ElasticWorker, client: Any) -> _Accounted:
+    """A collective of the strategy's generation failed: account for its members (the last boundary's state)."""
+    return _Accounted(scope=f"failure/{strategy.generation}", members=read_generation(client, strategy.generation),
+                      rank=strategy.global_rank, layout=strategy.layout, stash=strategy.last_boundary)
+
+
+def _holders_of(held: LiveHandoff) -> _Accounted:
+    """A change failed before its state moved: account for the holders of ``held`` (at their old ranks), whatever
+    generation they were forming; the joiners of that generation hold nothing and leave."""
+    if len(held.holders) != held.old_world:
+        raise RuntimeError(f"the change to generation {held.generation} failed before its state moved, but this "
+                           f"handoff does not say who holds its {held.old_world} rank(s): cannot recover live")
+    by_node: dict[str, dict[int, int]] = {}
+    for old_rank, (node_id, local_rank) in enumerate(held.holders):
+        by_node.setdefault(node_id, {})[local_rank] = old_rank
+    nodes = tuple(NodeEntry(node_id=node, ranks=tuple(ranks[lr] for lr in sorted(ranks)), kept_workers=True)
+                  for node, ranks in by_node.items())
+    members = GenerationInfo(generation=held.generation, world_size=held.old_world, master_addr="", master_port=0,
+                             nodes=nodes)
+    return _Accounted(scope=f"failure/{held.generation}/holders", members=members, rank=held.old_rank,
+                      layout=held.old_layout, stash=held)
 
 
 def recover_from_failure(
-    strategy: ElasticWorker, error: BaseException, node_id: str, local_rank: int
+    strategy: ElasticWorker, error: BaseException, node_id: str, local_rank: int, *, held: LiveHandoff | None = None
 ) -> LiveHandoff | Rollback:
     """Every survivor: steps 1-4 of the module docstring. Returns the handoff into the survivors' generation, or
-    what a rollback needs; the survivors' process group is formed either way."""
+    what a rollback needs; the survivors' process group is formed either way.
+
+    ``held``: the change to ``held.generation`` failed before any state moved (its group could not form, or a member
+    died while the next fit set up): the holders of ``held`` recover among themselves. If none of them died they go
+    on with ``held`` unchanged in a generation of their own, at their old ranks (no change happened: no event)."""
     settings: FailureSettings = strategy.failure_settings
-    stash: LiveHandoff | None = strategy.last_boundary
-    generation, rank, old_world, old_layout = (strategy.generation, strategy.global_rank, strategy.world_size,
-                                               strategy.layout)
     backend = _backend(strategy)
     started = time.perf_counter()
-    log.error("COLLECTIVE FAILURE in generation %d on rank %d: %s", generation, rank, str(error).splitlines()[0][:200])
+    client = control_client_from_env()
+    ours = _holders_of(held) if held is not None else _generation_members(strategy, client)  # before the release
     # Gloo has no abort: a group's sockets close only when nothing references it any more, and survivors blocked on
     # *us* (not on the dead) learn of the failure only then, or at their collective timeout. So drop what holds the
     # group (the traceback's frames, the mesh, the optimizers' DTensors; the caller dropped the model) first.
@@ -131,18 +182,19 @@ def recover_from_failure(
     strategy.release_process_groups()
     if dist.is_initialized():
         dist.destroy_process_group()
-    client = control_client_from_env()
-    info = read_generation(client, generation)
+    generation, rank, old_world, old_layout, stash = (ours.members.generation, ours.rank, ours.world, ours.layout,
+                                                      ours.stash)
+    log.error("COLLECTIVE FAILURE in generation %d on rank %d: %s", generation, rank, str(error).splitlines()[0][:200])
     step, consistent = _consistent_step(stash)
-    client.set(report_key(generation, rank), json.dumps(
+    client.set(report_key(ours.scope, rank), json.dumps(
         {"node_id": node_id, "local_rank": local_rank, "step": step, "consistent": consistent,
          "reached": strategy.reached_step}))
     # A survivor blocked on another survivor may only fail at its own collective timeout: wait at least that long.
     patience = max(settings.failure_timeout_s,
                    strategy.timeout.total_seconds() + settings.heartbeat_timeout_s + 10.0)
-    decision = _decide_survivors(client, info, settings, timeout_s=patience)
+    decision = _decide_survivors(client, ours.members, settings, timeout_s=patience, scope=ours.scope)
     detect = time.perf_counter() - started
-    if not decision["dead_nodes"]:  # everyone reported: no peer died, the error is not a failure we can mend
+    if not decision["dead_nodes"] and held is None:  # everyone reported: no peer died, not a failure we can mend
         raise error
 
     started = time.perf_counter()
@@ -151,14 +203,15 @@ def recover_from_failure(
         raise ExcludedFromRecovery(
             f"rank {rank} of generation {generation} was left out by the survivors ({survivors}); exiting"
         ) from error
-    reports = {r: json.loads(client.get(report_key(generation, r))) for r in survivors}
+    reports = {r: json.loads(client.get(report_key(ours.scope, r))) for r in survivors}
     new_rank_of = {old: new for new, old in enumerate(survivors)}
     publisher_host = node_host(node_id) if rank == survivors[0] else None  # new rank 0 hosts the new store
-    new_generation = _publish_or_wait(client, info, generation, new_rank_of, publisher_host, settings,
-                                      strategy.timeout)
-    new_info = read_generation(client, new_generation)
-    enter_generation(new_info, node_id, local_rank, backend, strategy.timeout)
+    new_generation = _publish_or_wait(client, ours, new_rank_of, publisher_host, settings, strategy.timeout)
+    enter_generation(read_generation(client, new_generation), node_id, local_rank, backend, strategy.timeout)
     agree = time.perf_counter() - started
+    seconds = {"detect": detect, "agree": agree}
+    if held is not None and not decision["dead_nodes"]:
+        return _go_on_unchanged(held, new_generation, seconds)
 
     new_world, my_new_rank = len(survivors), new_rank_of[rank]
     # Decided, and checked against the model and the global batch, before anything moves.
@@ -166,7 +219,6 @@ def recover_from_failure(
     steps = {reports[r]["step"] for r in survivors}
     # A survivor without a consistent state (it failed inside a step or a migration) still knows how far it got.
     furthest = max(max(steps), *(reports[r].get("reached", -1) for r in survivors))
-    seconds = {"detect": detect, "agree": agree}
     last_wall = stash.last_step_wall if stash is not None else time.time()
     rollback = Rollback(generation=new_generation, from_step=furthest, reason="", dead_nodes=decision["dead_nodes"],
                         old_layout=old_layout, old_world=old_world, last_step_wall=last_wall, seconds=seconds)
@@ -175,8 +227,9 @@ def recover_from_failure(
                            "step or a migration)")
         return _announce_rollback(rollback, my_new_rank)
     assert stash is not None and stash.state is not None
+    holders = tuple((reports[r]["node_id"], reports[r]["local_rank"]) for r in survivors)
     try:
-        handoff = _rebuild_from_replicas(strategy, stash, old_layout, old_world, new_layout, survivors, rank)
+        handoff = _rebuild_from_replicas(strategy, stash, old_layout, old_world, new_layout, survivors, rank, holders)
     except Exception as exc:
         if is_peer_failure(exc):  # another survivor died during the rebuild: no consistent group left
             raise
@@ -200,6 +253,17 @@ def recover_from_failure(
     return handoff
 
 
+def _go_on_unchanged(held: LiveHandoff, new_generation: int, seconds: dict[str, float]) -> LiveHandoff:
+    """Every holder is alive: the change that failed (a joiner died) did not happen; ``held`` goes on as it was, in
+    the holders' own generation (its next fit is a join with no change, which records no event)."""
+    if held.old_rank == 0:
+        log.error("generation %d could not be formed or set up (a joiner died?): the %d holder(s) of the live state "
+                  "go on in a generation of their own, %d", held.generation, held.old_world, new_generation)
+    held.generation = new_generation
+    held.seconds = {**held.seconds, **seconds}
+    return held
+
+
 def _consistent_step(stash: LiveHandoff | None) -> tuple[int, bool]:
     """(step of the state captured at the last boundary, whether the optimizer's step count agrees with it)."""
     if stash is None or stash.state is None:
@@ -211,13 +275,15 @@ def _consistent_step(stash: LiveHandoff | None) -> tuple[int, bool]:
 
 
 def _decide_survivors(
-    client: Any, info: GenerationInfo, settings: FailureSettings, timeout_s: float | None = None
+    client: Any, info: GenerationInfo, settings: FailureSettings, timeout_s: float | None = None, *,
+    scope: str | None = None,
 ) -> dict[str, Any]:
     """Wait until every rank of ``info`` reported or is dead; the first to see it writes the one decision.
 
     A node its agent marked dead is dead whatever its workers reported (the agent is stopping them).
     """
-    key = decision_key(info.generation)
+    scope = f"failure/{info.generation}" if scope is None else scope
+    key = decision_key(scope)
     timeout_s = settings.failure_timeout_s if timeout_s is None else timeout_s
     deadline = time.monotonic() + timeout_s
     members = [(node.node_id, local_rank, rank) for node in info.nodes for local_rank, rank in enumerate(node.ranks)]
@@ -228,7 +294,7 @@ def _decide_survivors(
                 f"could not tell the survivors of generation {info.generation} from the dead within "
                 f"{timeout_s:.0f}s (elastic.failure_timeout_s, at least the collective timeout); giving up"
             )
-        reported = {rank for _, _, rank in members if client.check([report_key(info.generation, rank)])}
+        reported = {rank for _, _, rank in members if client.check([report_key(scope, rank)])}
         marked = {node for node, _, _ in members if client.check([dead_key(node)])}
         dead_nodes = marked | {node for node, local_rank, rank in members if rank not in reported
                                and heartbeats.stale(node, local_rank)}
@@ -243,22 +309,23 @@ def _decide_survivors(
 
 
 def _publish_or_wait(
-    client: Any, info: GenerationInfo, generation: int, new_rank_of: dict[int, int], host: str | None,
-    settings: FailureSettings, timeout: timedelta,
+    client: Any, ours: _Accounted, new_rank_of: dict[int, int], host: str | None, settings: FailureSettings,
+    timeout: timedelta,
 ) -> int:
     """The lowest survivor (given its ``host``) publishes the survivors' generation, its store on that host; the
     others (``host=None``) read its number."""
     from lightning_emig.membership.preempt import publish_survivors
 
-    key = new_generation_key(generation)
+    key = new_generation_key(ours.scope)
     if host is not None:
-        published = publish_survivors(client, info, new_rank_of, host, timeout)
+        published = publish_survivors(client, ours.members, new_rank_of, host, timeout)
         assert published is not None  # published unconditionally
         client.set(key, str(published))
     deadline = time.monotonic() + settings.failure_timeout_s
     while not client.check([key]):
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the survivors' generation after generation {generation} was never published")
+            raise RuntimeError(f"the survivors' generation after generation {ours.members.generation} was never "
+                               "published")
         time.sleep(0.05)
     return int(client.get(key))
 
@@ -271,7 +338,7 @@ def _backend(strategy: ElasticWorker) -> str:
 
 def _rebuild_from_replicas(
     strategy: ElasticWorker, stash: LiveHandoff, old_layout: HybridLayout, old_world: int,
-    new_layout: HybridLayout, survivors: list[int], rank: int,
+    new_layout: HybridLayout, survivors: list[int], rank: int, holders: tuple[tuple[str, int], ...],
 ) -> LiveHandoff:
     """Lay the survivors' state out for the new world; what the dead held comes from its replicas."""
     started = time.perf_counter()
@@ -289,7 +356,7 @@ def _rebuild_from_replicas(
         transfer=strategy.elastic_settings.transfer,
     )
     return LiveHandoff(
-        generation=-1, old_generation=strategy.generation, old_layout=new_layout, old_world=len(survivors),
+        generation=-1, holders=holders, old_layout=new_layout, old_world=len(survivors),
         old_rank=new_rank, state=new_state, metadata=stash.metadata, last_step_wall=stash.last_step_wall,
         seconds={"allocate": allocate}, prior=record,
     )

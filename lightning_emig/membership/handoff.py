@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning_emig.layout import HybridLayout
 from lightning_emig.migration.change import ChangeRecord
 from lightning_emig.migration.state import ShardingSpec, StateTensor
-
-if TYPE_CHECKING:
-
-    pass
 
 LIVE_CHECKPOINT = "live"
 """``Trainer.fit(ckpt_path=LIVE_CHECKPOINT)``: take the state from the running processes, not from a file."""
@@ -30,7 +26,9 @@ class LiveHandoff:
 
     generation: int
     """The generation to join."""
-    old_generation: int
+    holders: tuple[tuple[str, int], ...]
+    """``(node id, local rank)`` of the process holding each old rank's state (who a failure before the state moved
+    must account for; empty where that is not known: outside ``lightning-emig-run``)."""
     old_layout: HybridLayout
     old_world: int
     old_rank: int

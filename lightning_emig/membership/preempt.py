@@ -178,6 +178,7 @@ def drain_leavers(trainer: pl.Trainer, client: Any, handoff: LiveHandoff) -> Liv
                     os.environ.get(ENV_NODE_ID, "?"), trainer.global_step, record.bytes_moved / 1e6)
     else:
         handoff.old_layout, handoff.old_world, handoff.old_rank = new_layout, new_world, my_new_rank
+        handoff.holders = tuple(info.members[r] for r in survivors)
         if my_new_rank == 0:
             log.warning(
                 "node(s) %s preempted at step %d: world %d -> %d, %s -> %s, %.1f MB moved; generation %d",

@@ -142,6 +142,8 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         self.events: list[ReconfigureEvent] = []
         self._pending_layout: HybridLayout | None = None
         self._incoming_handoff: LiveHandoff | None = None
+        self.live_transfer_started = False
+        """Set by the live join as the first byte of this fit's incoming state is about to move."""
         """Live state carried over from the previous fit of this ``Trainer.fit`` call (see ``prepare_next_fit``)."""
         self.pending_handoff: LiveHandoff | None = None
         """Set by ``RendezvousCallback`` when this fit stops to hand its state to a newer generation."""
@@ -221,6 +223,17 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         return self._incoming_handoff is not None or joining_live()
 
     @property
+    def awaiting_live_state(self) -> bool:
+        """This fit takes its state live and none of it has moved yet: a failure now leaves every holder's handoff
+        (:attr:`incoming_handoff`) intact, and a joiner holding nothing."""
+        return self.live_join and not self.live_transfer_started
+
+    @property
+    def incoming_handoff(self) -> LiveHandoff | None:
+        """The state this process carries into this fit (None in a joiner and once the join has taken it)."""
+        return self._incoming_handoff
+
+    @property
     def elastic_settings(self) -> ElasticSettings:
         """What every change of world or layout asks (the membership layer sees this, not the strategy)."""
         module = self.lightning_module
@@ -246,8 +259,10 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         children its ``configure_model`` must build again."""
         self.release_process_groups()  # the old world's mesh and optimizers: the next fit builds its own
         self.start_reason = None
-        self._dropped_children = list(dropped or [])
+        # A fit that failed before its setup checked the rebuilt children still owes the ones it was given.
+        self._dropped_children = sorted({*self._dropped_children, *(dropped or [])})
         self._incoming_handoff = handoff
+        self.live_transfer_started = False
         self._rollback = rollback
         self.pending_handoff = None
         self.last_boundary = None
@@ -311,7 +326,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         except GenerationError:
             if not joiner:
                 raise
-            # A member died as the group formed; the holders form one of their own (membership.retreat). This
+            # A member died as the group formed; the holders recover among themselves (membership.failure). This
             # process holds nothing: it leaves, and its agent brings a fresh one in through a new round.
             log.exception("generation %d could not be formed: leaving as left out", self.generation)
             raise LeftOutError from None
@@ -545,7 +560,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
                 "fit(ckpt_path='live') needs live state: a handoff from the previous fit in this process, or a "
                 "worker that lightning-emig-run started into a live generation (LIGHTNING_EMIG_JOIN_LIVE=1)"
             )
-        handoff, self._incoming_handoff = self._incoming_handoff, None
+        handoff = self._incoming_handoff
         if handoff is not None:
             handoff.lap("build")
         module = self.lightning_module
@@ -555,6 +570,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
                                                          os.environ.get("LIGHTNING_EMIG_NODE_ID", ""))
         finally:
             self.migrating = False
+        self._incoming_handoff = None  # moved (kept until then: a failure before the transfer goes on with it)
         self._join = (result, last_step_wall, time.perf_counter())
         self.live_resume_step = result.step
         treat_step_as_saved(module.trainer, result.step)
@@ -573,7 +589,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         import copy
 
         self.last_boundary = LiveHandoff(
-            generation=-1, old_generation=self.generation, old_layout=self.layout, old_world=self.world_size,
+            generation=-1, holders=(), old_layout=self.layout, old_world=self.world_size,
             old_rank=self.global_rank, state=training_state(module, self.optimizers[0]),
             metadata=copy.deepcopy(metadata), last_step_wall=last_step_wall,
         )
@@ -596,10 +612,11 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         self._join = None
         record = dataclasses.replace(record, seconds={**record.seconds, "first_step": time.perf_counter() - loaded_at})
         if record.kind == "join" and (record.old_world, record.old_layout) == (record.new_world, record.new_layout):
-            # The holders' own generation after one that could not form (membership.retreat): no change to record.
+            # The holders' own generation after a change that failed before its state moved (membership.failure):
+            # no change happened, none to record.
             if self.global_rank == 0:
-                log.warning("training again on the same %d process(es) after %.1fs: the generation they switched to "
-                            "could not form", self.world_size, time.time() - last_step_wall)
+                log.warning("training again on the same %d process(es) after %.1fs: the change they began failed "
+                            "before any state moved", self.world_size, time.time() - last_step_wall)
             return
         self._record_event(trainer, ReconfigureEvent.of(record, generation=self.generation,
                                                         downtime_seconds=time.time() - last_step_wall))

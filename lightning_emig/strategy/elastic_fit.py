@@ -48,11 +48,11 @@ from lightning_emig.launcher.generation import (
     control_client_from_env,
     read_generation,
 )
+from lightning_emig.membership.admission import LeftOutError
 from lightning_emig.membership.below_min import wait_for_enough_nodes
 from lightning_emig.membership.failure import Rollback, is_peer_failure, recover_from_failure
 from lightning_emig.membership.group import enter_generation, joining_live
 from lightning_emig.membership.handoff import LIVE_CHECKPOINT, LiveHandoff
-from lightning_emig.membership.retreat import retreat
 from lightning_emig.strategy.reconfigure import drop_model
 from lightning_emig.strategy.resume import newest_checkpoint
 
@@ -122,9 +122,19 @@ class ElasticFitLauncher(_Launcher):
         try:
             function(*call.args, **call.kwargs)
         except Exception as exc:
-            # A process that failed before it had a layout (a joiner forming its first group) holds no state: it
-            # exits, and its agent treats the node as failed.
-            if not (is_peer_failure(exc) and strategy.has_layout):
+            if not is_peer_failure(exc):
+                raise
+            if strategy.awaiting_live_state:  # a member died before any state moved into this fit
+                held = strategy.incoming_handoff
+                if held is None:  # a joiner holds nothing: it leaves, its agent brings a fresh worker back in
+                    log.exception("generation %d failed before the state moved in: leaving as left out",
+                                  strategy.generation)
+                    raise LeftOutError from None
+                _end_interrupted_fit(trainer, exc)
+                return self._recover(trainer, exc, held=held)
+            # A process that failed before it had a layout holds no state: it exits, and its agent treats the
+            # node as failed.
+            if not strategy.has_layout:
                 raise
             _end_interrupted_fit(trainer, exc)
             return self._recover(trainer, exc)
@@ -139,16 +149,32 @@ class ElasticFitLauncher(_Launcher):
             log.warning("this process's node was preempted and its state handed over: leaving the job (exit 0)")
             raise SystemExit(0)
         handoff.lap("teardown")
-        self._switch(handoff, handoff.generation)
-        handoff.lap("group")
-        return self._continue_live(trainer, handoff, drop_model(trainer.lightning_module))
+        dropped = drop_model(trainer.lightning_module)
+        return self._go_on(trainer, self._switch(handoff), dropped)
 
-    def _recover(self, trainer: pl.Trainer, failure: BaseException) -> str | None:
-        """The survivors' side of an abrupt failure: a live handoff into their generation, or a rollback."""
-        strategy = self._strategy
+    def _recover(self, trainer: pl.Trainer, failure: BaseException, *, held: LiveHandoff | None = None
+                 ) -> str | None:
+        """The survivors' side of an abrupt failure (of the generation, or of the change to ``held.generation``
+        before its state moved): a live handoff into their generation, or a rollback."""
         # Its FSDP state references the broken groups; the state is stashed.
         dropped = drop_model(trainer.lightning_module)
-        outcome = recover_from_failure(strategy, failure, os.environ[ENV_NODE_ID], int(os.environ["LOCAL_RANK"]))
+        outcome = recover_from_failure(self._strategy, failure, os.environ[ENV_NODE_ID],
+                                       int(os.environ["LOCAL_RANK"]), held=held)
+        self._record_unfinished_change(trainer, held, outcome)
+        return self._go_on(trainer, outcome, dropped)
+
+    def _record_unfinished_change(self, trainer: pl.Trainer, held: LiveHandoff | None,
+                                  outcome: LiveHandoff | Rollback) -> None:
+        """A drain or a rebuild had already moved ``held``'s state when a holder died: that change happened and
+        is an event of its own, before the failure's."""
+        if held is None or outcome is held or held.prior is None:
+            return
+        held.generation = outcome.generation
+        self._strategy.record_prior_event(trainer, held, 0.0)
+
+    def _go_on(self, trainer: pl.Trainer, outcome: LiveHandoff | Rollback, dropped: list[str]) -> str | None:
+        """After a change or a failure: the next fit takes ``outcome`` live, or restores a checkpoint."""
+        strategy = self._strategy
         if isinstance(outcome, Rollback):
             outcome.checkpoint = _agree_on_newest_checkpoint(strategy.checkpoint_dir(trainer))
             if outcome.checkpoint is None:  # nothing complete was saved: training starts over from step 0
@@ -157,18 +183,18 @@ class ElasticFitLauncher(_Launcher):
             return outcome.checkpoint
         return self._continue_live(trainer, outcome, dropped)
 
-    def _switch(self, handoff: LiveHandoff, generation: int) -> None:
-        """Into ``generation`` with the live state; if its group cannot be formed (a member died meanwhile), into the
-        holders' own generation instead (:mod:`~lightning_emig.membership.retreat`)."""
-        strategy = self._strategy
-        backend = dist.get_backend() if dist.is_initialized() else "gloo"
+    def _switch(self, handoff: LiveHandoff) -> LiveHandoff | Rollback:
+        """Into ``handoff.generation`` with the live state; if its group cannot be formed (a member died meanwhile),
+        the holders recover among themselves (see :mod:`~lightning_emig.membership.failure`)."""
         try:
-            switch_to_generation(generation, timeout=strategy.timeout)
-        except GenerationError:
-            patience = strategy.timeout.total_seconds() + strategy.failure_settings.failure_timeout_s
-            handoff.generation = retreat(handoff, generation, backend, strategy.timeout, timeout_s=patience)
+            switch_to_generation(handoff.generation, timeout=self._strategy.timeout)
+        except GenerationError as exc:
+            return recover_from_failure(self._strategy, exc, os.environ[ENV_NODE_ID], int(os.environ["LOCAL_RANK"]),
+                                        held=handoff)
+        handoff.lap("group")
+        return handoff
 
-    def _continue_live(self, trainer: pl.Trainer, handoff: LiveHandoff, dropped: list[str]) -> str:
+    def _continue_live(self, trainer: pl.Trainer, handoff: LiveHandoff, dropped: list[str]) -> str | None:
         """Below MIN, wait for joiners with the state in memory; then the next fit takes the handoff live."""
         strategy = self._strategy
         waiting_since = time.perf_counter()
@@ -179,7 +205,9 @@ class ElasticFitLauncher(_Launcher):
             if handoff.prior is not None:  # the change that left too few nodes is an event of its own
                 strategy.record_prior_event(trainer, handoff, time.perf_counter() - waiting_since)
             handoff.generation = newer
-            self._switch(handoff, newer)
+            outcome = self._switch(handoff)
+            if outcome is not handoff:  # the switch failed and a holder died meanwhile
+                return self._go_on(trainer, outcome, dropped)
             handoff.phase_started = time.perf_counter()
         strategy.prepare_next_fit(handoff=handoff, dropped=dropped)
         return LIVE_CHECKPOINT

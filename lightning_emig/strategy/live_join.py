@@ -110,6 +110,7 @@ def join_live(
     optimizer = strategy.optimizers[0]
     new_state = training_state(module, None)
     new_state.update(allocate_optimizer_state(module, optimizer, news.optimizer_template))
+    strategy.live_transfer_started = True  # from here a failure may leave the handoff's state partly released
     record = execute_change(
         kind="join", step=int(news.metadata["global_step"]), old_state=handoff.state if handoff is not None else None,
         new_state=new_state, old_layout=old_layout, new_layout=strategy.layout, identity=identity, pid=rank,

@@ -231,8 +231,10 @@ def capture_handoff(trainer: pl.Trainer, *, new_generation: int, last_step_wall:
         "optimizer_hyper": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
         "lightning_emig": {"layout": strategy.layout.as_dict(), "world_size": strategy.world_size},
     }
+    holders = (read_generation(control_client_from_env(), strategy.generation).members if under_launcher()
+               else ())
     return LiveHandoff(
-        generation=new_generation, old_generation=strategy.generation, old_layout=strategy.layout,
+        generation=new_generation, holders=holders, old_layout=strategy.layout,
         old_world=strategy.world_size, old_rank=strategy.global_rank, state=training_state(module, optimizer),
         metadata=metadata, last_step_wall=last_step_wall,
     )

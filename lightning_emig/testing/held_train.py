@@ -24,6 +24,9 @@ race of two membership events in end-to-end tests, so a test hits it on any mach
   these optimizer steps (at the step boundary, before the membership check) and logs ``test hold: step N``, until
   the test creates ``D/release-N``: the test acts (starts a node, sends a notice, kills a worker) while training is
   known to be at that step, on any machine.
+* ``LIGHTNING_EMIG_TEST_DIE_BEFORE_JOIN=F``: a joiner's worker dies (exit 1) as its live join begins — after its
+  generation's group formed and the fit set up, before any state moved — if file ``F`` does not exist yet; it creates
+  ``F`` first, so the worker its agent restarts joins normally.
 * ``LIGHTNING_EMIG_TEST_RUN_MODULE=M``: run module ``M`` (e.g. ``lightning_emig.examples.gpt``) instead of
   ``lightning_emig.train``, with the same holds.
 
@@ -161,6 +164,28 @@ def hold_training_until(generation: int, timeout_s: float = HOLD_TIMEOUT_S) -> N
     RendezvousCallback._newest_ready = held_newest_ready  # type: ignore[method-assign]  # noqa: SLF001
 
 
+ENV_DIE_BEFORE_JOIN = "LIGHTNING_EMIG_TEST_DIE_BEFORE_JOIN"
+
+
+def die_before_join(marker: str) -> None:
+    """A joiner's first worker dies as its live join begins (see the module docstring)."""
+    from pathlib import Path
+
+    from lightning_emig.strategy import elastic
+
+    join_live = elastic.join_live
+
+    def dying_join_live(strategy: Any, trainer: Any, handoff: Any, node_id: str) -> Any:
+        if handoff is None and not Path(marker).exists():
+            Path(marker).touch()
+            log.warning("test: this joiner dies before its live join (generation %d)", strategy.generation)
+            logging.shutdown()
+            os._exit(1)
+        return join_live(strategy, trainer, handoff, node_id)
+
+    elastic.join_live = dying_join_live
+
+
 ENV_HOLD_AT_STEPS = "LIGHTNING_EMIG_TEST_HOLD_AT_STEPS"
 ENV_HOLD_DIR = "LIGHTNING_EMIG_TEST_HOLD_DIR"
 ENV_RUN_MODULE = "LIGHTNING_EMIG_TEST_RUN_MODULE"
@@ -208,6 +233,9 @@ def main() -> None:
     hold_exit = os.environ.get(ENV_HOLD_LEAVING_EXIT) == "1"
     if hold_exit:
         record_drained_generation()
+    marker = os.environ.get(ENV_DIE_BEFORE_JOIN)
+    if marker:
+        die_before_join(marker)
     steps = os.environ.get(ENV_HOLD_AT_STEPS)
     if steps:
         hold_at_steps({int(s) for s in steps.split(",")}, os.environ[ENV_HOLD_DIR])
