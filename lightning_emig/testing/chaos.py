@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lightning_emig.strategy.events import read_events
+from lightning_emig.strategy.resume import is_complete
 from lightning_emig.testing.commands import descendants, is_alive, kill_tree
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.ledger import LedgerReport, check_ledger
@@ -501,6 +502,7 @@ def check_run(run: ChaosRun, seed: int) -> ChaosResult:
         _check_rollbacks(events),
         loss_check,
         _check_events(events, summary),
+        _check_checkpoints(run, events, summary),
         _check_processes(run),
     ]
     return ChaosResult(seed=seed, played=run.played, events=events, checks=checks,
@@ -585,6 +587,33 @@ def _check_events(events: list[dict[str, Any]], summary: dict[str, Any] | None) 
                         f"{summary['world_size']}")
     detail = "; ".join(problems[:8]) or f"{len(events)} events, worlds chain"
     return Check("events", not problems, detail, (HOST,) if problems else ())
+
+
+def _check_checkpoints(run: ChaosRun, events: list[dict[str, Any]], summary: dict[str, Any] | None) -> Check:
+    """Periodic checkpoints keep working after every live change: no save failed, and the first one due after each
+    change that was not a rollback, on the world that change made, is complete (when that world trained past it and
+    did not end in a failure right after it, which may abandon a save being written)."""
+    every = int(_arg(run.settings.base_args, "trainer.checkpoint_every_n_steps"))
+    last = int(_arg(run.settings.base_args, "trainer.max_steps"))
+    failed = [name for name in run.agents if "CHECKPOINT FAILED" in log_tail(run.out_dir, name, 10**7)]
+    missing, checked = [], []
+    for event, after in zip(events, [*events[1:], None], strict=True):
+        due = (event["step"] // every + 1) * every
+        ends = after["step"] if after is not None else last + 1
+        abandoned = after is not None and after["kind"] in ("failure", "restart") and ends - due < 5
+        if _is_rollback(event) or due >= ends or due > last or abandoned or summary is None:
+            continue
+        checked.append(f"{due} (world {event['new_world']})")
+        if not is_complete(run.run_dir / "checkpoints" / f"step{due:06d}.ckpt"):
+            missing.append(f"step {due}, due after the {event['kind']} at step {event['step']}")
+    problems = [f"CHECKPOINT FAILED in {failed}"] * bool(failed) + [f"incomplete: {', '.join(missing)}"] * bool(missing)
+    return Check("checkpoints", not problems, "; ".join(problems) or f"complete after every change: {', '.join(checked)}",
+                 tuple(failed) or ((HOST,) if missing else ()))
+
+
+def _arg(args: Sequence[str], key: str) -> str:
+    """The value of the Hydra override ``key=value`` in ``args``."""
+    return next(a.split("=", 1)[1] for a in args if a.startswith(f"{key}="))
 
 
 def _check_processes(run: ChaosRun) -> Check:
