@@ -278,66 +278,142 @@ def test_workers_under_torchrun_terminate_on_sigterm(monkeypatch: pytest.MonkeyP
         signal.signal(signal.SIGTERM, previous)
 
 
+ADDRESSES_4 = {"a": "127.0.0.2", "b": "127.0.0.3", "c": "127.0.0.4", "d": "127.0.0.5"}
+
+
+class _HeldRun:
+    """Up to four nodes with rank 0 held at given steps (``held_train``), for failures at chosen worlds."""
+
+    def __init__(self, tmp_path: Path, args: list[str], hold_at: str, rdzv_id: str) -> None:
+        self.tmp_path, self.run_dir, self.args, self.rdzv_id = tmp_path, tmp_path / "run", args, rdzv_id
+        self.port = free_port()
+        self.env = {"LIGHTNING_EMIG_TEST_HOLD_AT_STEPS": hold_at, "LIGHTNING_EMIG_TEST_HOLD_DIR": str(tmp_path),
+                    "LIGHTNING_EMIG_TEST_HOLD_STEPS_FOR_JOINERS": "1"}
+        self.agents: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str) -> None:
+        self.agents[name] = start_node(
+            self.tmp_path, name, local_addr=ADDRESSES_4[name], port=self.port, run_dir=self.run_dir, nnodes="2:4",
+            rdzv_id=self.rdzv_id, rdzv_conf=f"is_host={str(name == 'a').lower()}", train_args=self.args,
+            module="lightning_emig.testing.held_train", env=self.env)
+
+    def logs(self) -> str:
+        return "".join(_log(self.tmp_path, n) for n in self.agents)
+
+    def held_at(self, step: int) -> None:
+        """Rank 0, whichever node it is on, holds at ``step`` (until :meth:`release`)."""
+        wait_for(lambda: any(f"test hold: step {step} waits" in _log(self.tmp_path, n, 10**6) for n in self.agents)
+                 or any(p.poll() not in (None, 0) for n, p in self.agents.items() if n in "ab"), 180,
+                 f"rank 0 never held at step {step}:\n{self.logs()}")
+
+    def release(self, step: int) -> None:
+        (self.tmp_path / f"release-{step}").touch()
+
+    def workers(self, names: str) -> list[int]:
+        return [p for n in names for p in descendants(self.agents[n].pid) if is_alive(p)]
+
+    def kill_worker(self, name: str) -> None:
+        for pid in descendants(self.agents[name].pid):
+            os.kill(pid, signal.SIGKILL)
+
+    def finish(self, killed_worker: str, timeout_s: float) -> None:
+        """A and B exit 0; the node whose worker was killed (no restart left) leaves, saying so."""
+        codes = wait_for_exit(self.tmp_path, self.agents, timeout_s)
+        assert codes["a"] == codes["b"] == 0, "".join(_log(self.tmp_path, n) for n in "ab")
+        assert codes[killed_worker] != 0 and "no restart left" in _log(self.tmp_path, killed_worker, 10**6)
+
+    def check(self, survivors: list[int], steps: int, layout_args: list[str]) -> list[dict]:
+        """A or B finished as rank 0 of a world of two, on the uninterrupted run's loss curve, every sample once
+        apart from the steps rolled back; the failure events."""
+        from lightning_emig.testing.ledger import check_ledger
+        from lightning_emig.testing.nodes import reference_losses
+
+        summary = json.loads((self.run_dir / "summary.json").read_text())
+        assert summary["pid"] in survivors and summary["world_size"] == 2
+        reference = reference_losses(self.tmp_path, [a for a in self.args if a not in layout_args])  # one process
+        losses = summary["step_losses"]
+        assert sorted(int(k) for k in losses) == list(range(steps))
+        worst = max(abs(losses[k] - reference[k]) / abs(reference[k]) for k in reference)
+        assert worst < REL_TOL, f"loss curve departs from the reference by {worst:.2e} (relative)"
+        report = check_ledger(self.run_dir)
+        report.assert_exactly_once()
+        events = read_events(self.run_dir)
+        # A rollback to step s redoes s .. s + steps rolled back (and the step a failure interrupted, at most).
+        rolled_back = {s for e in events for s in range(e["step"], e["step"] + (e.get("steps_rolled_back") or 0) + 1)}
+        assert set(report.rolled_back_steps) <= rolled_back, (report.describe(), events)
+        return [e for e in events if e["kind"] == "failure"]
+
+
+def _args(steps: int, layout: list[str]) -> list[str]:
+    """A global batch of 24: 1, 2, 3 and 4 data-parallel ranks share it."""
+    return [*[a for a in TRAIN if not a.startswith(("trainer.global_batch_size", "trainer.max_steps"))],
+            "trainer.global_batch_size=24", f"trainer.max_steps={steps}", *layout, "data.ledger=true"]
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(480)
 def test_failures_at_worlds_of_four_and_three_recover_live_or_roll_back(tmp_path: Path) -> None:
-    """Four nodes, ``layout=hsdp``, ``--nnodes=2:4``, a global batch of 24 (1, 2, 3 and 4 data-parallel ranks share
-    it). At step 20, in the world of four (2 replicas x 2 shards), node D's worker is killed: a survivor blocked in
-    FSDP's all-reduce on a mesh sub-group must fail at the configured timeout, not torch's 30 minutes, and the three
-    survivors rebuild D's shards from the replicas — no step lost — into a world of three (FSDP, no replicas). At step
-    45 node C is killed whole: C's shards have no copy, so A and B roll back to the step-40 checkpoint, one the world
-    of three saved after the live change, and finish as two."""
+    """Four nodes, ``layout=hsdp``, ``--nnodes=2:4``. At step 20, in the world of four (2 replicas x 2 shards), node
+    D's worker is killed: a survivor blocked in FSDP's all-reduce on a mesh sub-group must fail at the configured
+    timeout, not torch's 30 minutes, and the three survivors rebuild D's shards from the replicas — no step lost —
+    into a world of three (FSDP, no replicas). At step 45 node C is killed whole: C's shards have no copy, so A and B
+    roll back to the step-40 checkpoint, one the world of three saved after the live change, and finish as two."""
     from lightning_emig.strategy.resume import is_complete
-    from lightning_emig.testing.ledger import check_ledger
-    from lightning_emig.testing.nodes import reference_losses
 
-    port = free_port()
-    run_dir = tmp_path / "run"
-    steps = 60
-    args = [*[a for a in TRAIN if not a.startswith(("trainer.global_batch_size", "trainer.max_steps"))],
-            "trainer.global_batch_size=24", f"trainer.max_steps={steps}", "layout=hsdp", "data.ledger=true"]
-    holds = {"LIGHTNING_EMIG_TEST_HOLD_AT_STEPS": "20,45", "LIGHTNING_EMIG_TEST_HOLD_DIR": str(tmp_path)}
-    addresses = {"a": "127.0.0.2", "b": "127.0.0.3", "c": "127.0.0.4", "d": "127.0.0.5"}
-    agents: dict[str, subprocess.Popen] = {}
-
-    def held_at(step: int) -> None:  # rank 0, whichever node it is on, holds at `step` until released
-        wait_for(lambda: any(f"test hold: step {step} waits" in _log(tmp_path, n, 10**6) for n in agents)
-                 or any(p.poll() not in (None, 0) for n, p in agents.items() if n in "ab"), 180,
-                 f"rank 0 never held at step {step}:\n" + "".join(_log(tmp_path, n) for n in agents))
-
+    layout = ["layout=hsdp"]
+    run = _HeldRun(tmp_path, _args(60, layout), "20,45", "worlds-4-3")
     try:
-        for name, addr in addresses.items():
-            agents[name] = start_node(tmp_path, name, local_addr=addr, port=port, run_dir=run_dir, nnodes="2:4",
-                                      rdzv_id="worlds-4-3", rdzv_conf=f"is_host={str(name == 'a').lower()}",
-                                      train_args=args, module="lightning_emig.testing.held_train", env=holds)
-        held_at(20)
+        for name in "abcd":
+            run.start(name)
+        run.held_at(20)
         assert "world 4 on 4 node(s)" in _log(tmp_path, "a", 10**6), "the four nodes never formed one world"
-        survivors = [p for n in "ab" for p in descendants(agents[n].pid) if is_alive(p)]
-        for pid in descendants(agents["d"].pid):
-            os.kill(pid, signal.SIGKILL)
-        (tmp_path / "release-20").touch()
-        held_at(45)
-        wait_for(lambda: is_complete(run_dir / "checkpoints" / "step000040.ckpt"), 60, "no step-40 checkpoint")
-        kill_tree(agents["c"].pid)
-        (tmp_path / "release-45").touch()
-        codes = wait_for_exit(tmp_path, agents, 240)
-        assert codes["a"] == codes["b"] == 0, "".join(_log(tmp_path, n) for n in "ab")
-        assert codes["d"] != 0 and "no restart left" in _log(tmp_path, "d", 10**6)
+        survivors = run.workers("ab")
+        run.kill_worker("d")
+        run.release(20)
+        run.held_at(45)
+        wait_for(lambda: is_complete(run.run_dir / "checkpoints" / "step000040.ckpt"), 60, "no step-40 checkpoint")
+        kill_tree(run.agents["c"].pid)
+        run.release(45)
+        run.finish("d", 240)
     finally:
-        stop_agents(agents)
-
-    events = [e for e in read_events(run_dir) if e["kind"] == "failure"]
+        stop_agents(run.agents)
+    events = run.check(survivors, 60, layout)
     assert [(e["old_world"], e["new_world"], e["step"], e["steps_rolled_back"]) for e in events] == [
         (4, 3, 20, 0), (3, 2, 40, 5)], events
     assert [e["old_layout"]["dp_replicate"] for e in events] == [2, 1]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["pid"] in survivors and summary["world_size"] == 2
-    reference = reference_losses(tmp_path, [a for a in args if a != "layout=hsdp"])  # one process: no replicas
-    losses = summary["step_losses"]
-    assert sorted(int(k) for k in losses) == list(range(steps))
-    worst = max(abs(losses[k] - reference[k]) / abs(reference[k]) for k in reference)
-    assert worst < REL_TOL, f"loss curve departs from the reference by {worst:.2e} (relative)"
-    report = check_ledger(run_dir)
-    report.assert_exactly_once()
-    assert set(report.rolled_back_steps) <= set(range(20, 46)), report.describe()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(480)
+def test_failures_at_a_world_of_four_without_replicas_and_three_with_them(tmp_path: Path) -> None:
+    """The other half of the table: three nodes with three replicas (``layout.dp_replicate=3``, which no world of
+    four fits: FSDP there). At step 20 node D joins (3 -> 4, no replicas). At step 45 D's worker is killed: nothing
+    else holds its shards, so A, B and C roll back to the step-40 checkpoint the world of four saved, into three
+    replicas again. At step 70 node C is killed whole: A and B rebuild from the replicas, no step lost."""
+    layout = ["layout=hsdp", "layout.dp_replicate=3"]
+    run = _HeldRun(tmp_path, _args(90, layout), "20,45,70", "worlds-3-4-3")
+    try:
+        for name in "abc":
+            run.start(name)
+        run.held_at(20)
+        run.start("d")  # its round is published while rank 0 holds; the held step then waits for D's worker
+        wait_for(lambda: "world 4 on 4 node(s)" in _log(tmp_path, "a", 10**6), 60, f"no round with D:\n{run.logs()}")
+        run.release(20)
+        run.held_at(45)
+        joins = [(e["old_world"], e["new_world"]) for e in read_events(run.run_dir) if e["kind"] == "join"]
+        assert joins == [(3, 4)], f"D did not join before step 45:\n{run.logs()}"
+        survivors = run.workers("ab")
+        run.kill_worker("d")
+        run.release(45)
+        run.held_at(70)
+        kill_tree(run.agents["c"].pid)
+        run.release(70)
+        run.finish("d", 240)
+    finally:
+        stop_agents(run.agents)
+    events = run.check(survivors, 90, layout)
+    assert [(e["old_world"], e["new_world"], e["step"], e["steps_rolled_back"]) for e in events] == [
+        (4, 3, 40, 5), (3, 2, 70, 0)], events
+    assert [e["old_layout"]["dp_replicate"] for e in events] == [1, 3]
