@@ -7,6 +7,7 @@ ones. A must wait for both B and C, and B must form generation 2, not the genera
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from datetime import timedelta
@@ -244,6 +245,51 @@ def test_holders_whose_new_generation_cannot_form_go_on_in_one_of_their_own(monk
         assert os.environ["RANK"] == "0" and os.environ["WORLD_SIZE"] == "1"
     finally:
         dist.destroy_process_group()
+
+
+def test_holders_recover_again_when_one_of_them_dies_before_their_generation_forms(monkeypatch: pytest.MonkeyPatch
+                                                                                  ) -> None:
+    """Holders A and B; the change to generation 1 failed. Both report, nobody is dead: they publish their own
+    generation — and B dies before it forms. A times out forming it and recovers again: B is dead now, and A (whose
+    handoff holds no consistent state here) rolls back, alone, in a third generation."""
+    from types import SimpleNamespace
+
+    from lightning_emig.launcher.generation import dead_key, worker_env
+    from lightning_emig.layout import HybridLayout
+    from lightning_emig.membership.failure import FailureSettings, Rollback, recover_from_failure, report_key
+    from lightning_emig.membership.group import generation_env
+    from lightning_emig.membership.handoff import LiveHandoff
+
+    a, b = "127.0.0.1_1", "127.0.0.2_2"
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    for key, value in {**worker_env(node_id=a, control_address=f"127.0.0.1:{server.port}", prefix="lightning_emig/r/",
+                                    generation=0, join_live=False), "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    control = dist.PrefixStore("lightning_emig/r/", server)
+    _publish(control, (a, False), (b, False))
+    _publish(control, (a, True), (b, True), ("127.0.0.3_3", False))
+    _restore_after_test(monkeypatch, [k for k in generation_env(read_generation(control, 1), a, 0)
+                                      if k != "LOCAL_RANK"])
+    control.set(report_key("failure/1/holders", 1), json.dumps(
+        {"node_id": b, "local_rank": 0, "step": -1, "consistent": False, "reached": 5}))
+    handoff = LiveHandoff(generation=1, holders=((a, 0), (b, 0)), old_layout=HybridLayout(dp_shard=2), old_world=2,
+                          old_rank=0, state=None, metadata={}, last_step_wall=0.0)
+    worker = SimpleNamespace(
+        failure_settings=FailureSettings(failure_timeout_s=10, heartbeat_timeout_s=60), timeout=timedelta(seconds=3),
+        reached_step=5, process_group_backend="gloo", release_process_groups=lambda: None,
+        elastic_settings=SimpleNamespace(layout_for_world=lambda world: (HybridLayout(dp_shard=world), None)))
+    b_dies = threading.Timer(1.0, lambda: control.set(dead_key(b), "{}"))  # its agent marks it, as it forms
+    b_dies.start()
+    try:
+        outcome = recover_from_failure(worker, GenerationError("generation 1: C died"), a, 0,  # type: ignore[arg-type]
+                                       held=handoff)
+        assert isinstance(outcome, Rollback) and outcome.dead_nodes == [b], outcome
+        assert outcome.generation == 3 and dist.get_world_size() == 1
+        assert [n.node_id for n in read_generation(control, 2).nodes] == [a, b]  # the one B died before forming
+    finally:
+        b_dies.cancel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _restore_after_test(monkeypatch: pytest.MonkeyPatch, keys: object) -> None:

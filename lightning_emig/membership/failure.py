@@ -29,6 +29,10 @@ from replicas, or they roll back; if no holder died (a joiner did), they form a 
 ranks and go on with the handoff unchanged — no change happened, no event is recorded. The joiners of the failed
 generation hold nothing: they leave as left out and their agents bring them back in through a new round.
 
+**A survivor that dies during the recovery** — before the survivors' group forms, or during the rebuild (which
+keeps the old state until it is done) — makes the others recover again, from the same state, among the same members
+(keys ``.../again<k>``): the one that died is found dead this time. At most :data:`RECOVERY_ATTEMPTS` in a row.
+
 A survivor excluded by the decision (it reported too late) raises :class:`ExcludedFromRecovery` and exits non-zero;
 its agent then treats its node as failed.
 """
@@ -45,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from lightning_emig.launcher.generation import (
+    GenerationError,
     GenerationInfo,
     NodeEntry,
     control_client_from_env,
@@ -109,6 +114,10 @@ def is_peer_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in PEER_FAILURE_MARKERS)
 
 
+RECOVERY_ATTEMPTS = 3
+"""Recoveries in a row a survivor runs when survivors keep dying during them (each finds more of them dead)."""
+
+
 def report_key(scope: str, rank: int) -> str:
     return f"{scope}/report/{rank}"
 
@@ -170,11 +179,33 @@ def recover_from_failure(
     ``held``: the change to ``held.generation`` failed before any state moved (its group could not form, or a member
     died while the next fit set up): the holders of ``held`` recover among themselves. If none of them died they go
     on with ``held`` unchanged in a generation of their own, at their old ranks (no change happened: no event)."""
-    settings: FailureSettings = strategy.failure_settings
     backend = _backend(strategy)
-    started = time.perf_counter()
     client = control_client_from_env()
     ours = _holders_of(held) if held is not None else _generation_members(strategy, client)  # before the release
+    for attempt in range(1, RECOVERY_ATTEMPTS + 1):
+        try:
+            return _recover_once(strategy, error, node_id, local_rank, ours, held, backend, client)
+        except _SurvivorLost as lost:
+            # The state has not moved (the rebuild keeps the old state until it is done): recover again, among the
+            # same members, from the same state; the survivor that died is found dead this time.
+            log.error("a survivor died while the survivors of generation %d recovered (%s): recovering again "
+                      "(attempt %d)", ours.members.generation, lost, attempt + 1)
+            error = lost
+            ours = dataclasses.replace(ours, scope=f"{ours.scope.split('/again')[0]}/again{attempt}")
+    raise RuntimeError(f"the survivors of generation {ours.members.generation} lost a member in each of "
+                       f"{RECOVERY_ATTEMPTS} recoveries in a row; giving up (torchrun's restart path)") from error
+
+
+class _SurvivorLost(RuntimeError):
+    """A survivor died during the recovery, before any state moved: the survivors recover again."""
+
+
+def _recover_once(
+    strategy: ElasticWorker, error: BaseException, node_id: str, local_rank: int, ours: _Accounted,
+    held: LiveHandoff | None, backend: str, client: Any,
+) -> LiveHandoff | Rollback:
+    settings: FailureSettings = strategy.failure_settings
+    started = time.perf_counter()
     # Gloo has no abort: a group's sockets close only when nothing references it any more, and survivors blocked on
     # *us* (not on the dead) learn of the failure only then, or at their collective timeout. So drop what holds the
     # group (the traceback's frames, the mesh, the optimizers' DTensors; the caller dropped the model) first.
@@ -207,7 +238,10 @@ def recover_from_failure(
     new_rank_of = {old: new for new, old in enumerate(survivors)}
     publisher_host = node_host(node_id) if rank == survivors[0] else None  # new rank 0 hosts the new store
     new_generation = _publish_or_wait(client, ours, new_rank_of, publisher_host, settings, strategy.timeout)
-    enter_generation(read_generation(client, new_generation), node_id, local_rank, backend, strategy.timeout)
+    try:
+        enter_generation(read_generation(client, new_generation), node_id, local_rank, backend, strategy.timeout)
+    except GenerationError as exc:  # a survivor died before the survivors' group formed
+        raise _SurvivorLost(str(exc)) from exc
     agree = time.perf_counter() - started
     seconds = {"detect": detect, "agree": agree}
     if held is not None and not decision["dead_nodes"]:
@@ -231,8 +265,8 @@ def recover_from_failure(
     try:
         handoff = _rebuild_from_replicas(strategy, stash, old_layout, old_world, new_layout, survivors, rank, holders)
     except Exception as exc:
-        if is_peer_failure(exc):  # another survivor died during the rebuild: no consistent group left
-            raise
+        if is_peer_failure(exc):  # another survivor died during the rebuild (which released nothing)
+            raise _SurvivorLost(str(exc).splitlines()[0]) from exc
         # migrate() makes every process learn of a failure anywhere, so all survivors get here together.
         stash.state = None
         lost = isinstance(exc, (StateLostError, MigrationFailedError))
