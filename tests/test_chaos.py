@@ -30,6 +30,7 @@ import pytest
 
 from lightning_emig.testing.chaos import (
     HOST,
+    LOSS_REL_TOL,
     REUSE_AFTER_S,
     ChaosResult,
     ChaosRun,
@@ -41,7 +42,7 @@ from lightning_emig.testing.chaos import (
     initial_nodes,
     make_schedule,
 )
-from lightning_emig.testing.nodes import REPO
+from lightning_emig.testing.nodes import REPO, reference_losses, uninterrupted_losses
 
 SEEDS = [int(s) for s in os.environ.get("LIGHTNING_EMIG_CHAOS_SEEDS", "1").split(",")]
 LONG = os.environ.get("LIGHTNING_EMIG_CHAOS_LONG") == "1"
@@ -57,13 +58,14 @@ def _train(max_steps: int) -> tuple[str, ...]:
             "elastic.heartbeat_timeout_s=5")
 
 
-def _play(out_dir: Path, spec: ScheduleSpec, max_steps: int) -> tuple[ChaosResult, ChaosRun]:
+def _play(out_dir: Path, spec: ScheduleSpec, max_steps: int, loss_tolerance: float = LOSS_REL_TOL
+          ) -> tuple[ChaosResult, ChaosRun]:
     schedule = make_schedule(spec)
     settings = ChaosSettings(base_args=_train(max_steps), min_nodes=spec.min_nodes, max_nodes=spec.max_nodes,
                              max_restarts=spec.max_restarts)
     run = ChaosRun(out_dir, schedule, settings)
     run.run()  # stops every process it started, whatever happens
-    result = check_run(run, spec.seed)
+    result = check_run(run, spec.seed, loss_tolerance=loss_tolerance)
     print(result.markdown(f"chaos, seed {spec.seed}"))
     return result, run
 
@@ -121,9 +123,26 @@ def test_a_seeded_chaos_schedule(tmp_path: Path, seed: int) -> None:
 @pytest.mark.timeout(3000)
 @pytest.mark.skipif(not LONG, reason="long chaos run: set LIGHTNING_EMIG_CHAOS_LONG=1")
 def test_a_long_chaos_schedule(tmp_path: Path) -> None:
-    result, run = _play(tmp_path, ScheduleSpec(seed=LONG_SEED, events=32), max_steps=2400)
+    """Over 2400 steps, two data-parallel ranks drift from one process by themselves (they sum gradients in
+    another order; measured: 3.7e-3 relative at worst, past 1e-4 from step ~440): the tolerance is twice the drift
+    of an uninterrupted run on two processes, measured here against the same one-process run."""
+    max_steps = 2400
+    reference = reference_losses(tmp_path, _train(max_steps))
+    steady = uninterrupted_losses(tmp_path, [*_train(max_steps), "layout=hsdp"], nproc=2)
+    drift = max(abs(steady[k] - reference[k]) / abs(reference[k]) for k in reference)
+    tolerance = max(LOSS_REL_TOL, 2 * drift)
+    result, run = _play(tmp_path, ScheduleSpec(seed=LONG_SEED, events=32), max_steps=max_steps,
+                        loss_tolerance=tolerance)
     LONG_RESULTS.parent.mkdir(parents=True, exist_ok=True)
     command = (f"LIGHTNING_EMIG_CHAOS_LONG=1 LIGHTNING_EMIG_CHAOS_LONG_SEED={LONG_SEED} "
                ".venv/bin/pytest -q tests/test_chaos.py -k long -s")
-    LONG_RESULTS.write_text(result.markdown(f"Long chaos run: {len(result.played)} events", command))
+    page = result.markdown(f"Long chaos run: {len(result.played)} events", command)
+    LONG_RESULTS.write_text(page + _tolerance_note(drift, tolerance))
     assert result.ok, result.explain(run)
+
+
+def _tolerance_note(drift: float, tolerance: float) -> str:
+    return (f"\n## Loss tolerance\n\nAn uninterrupted run of the same training on two processes (`layout=hsdp`, "
+            f"no change of world) departs from the one-process run by {drift:.1e} (relative, worst step): data-"
+            f"parallel ranks sum gradients in another order, and over 2400 steps that drift grows past the 1e-4 the "
+            f"short runs hold to. This run's tolerance is twice that drift: {tolerance:.1e}.\n")

@@ -18,7 +18,7 @@ Three parts, used by ``tests/test_chaos.py``:
   sends when the *thread* that started them ends.
 * :func:`check_run`: a :class:`ChaosResult` — agents that were not killed exited 0; the data ledger is exactly once
   apart from the rollbacks events declare; no rollback where replicas existed; the loss within
-  :data:`LOSS_REL_TOL` of the uninterrupted run; ``events.jsonl`` one event per change, worlds chaining; no process
+  :data:`LOSS_REL_TOL` (or a tolerance the caller measured) of the uninterrupted run; ``events.jsonl`` one event per change, worlds chaining; no process
   left — and a summary (events played, rollbacks, steps lost, downtime per change, loss gap) as markdown.
 """
 
@@ -436,6 +436,7 @@ class ChaosResult:
     checks: list[Check]
     ledger: str
     loss_gap: float | None
+    loss_tolerance: float
     steps_lost: int
 
     @property
@@ -465,7 +466,7 @@ class ChaosResult:
                   if downtimes else "none recorded")
         out += ["", f"Rollbacks: {sum(_is_rollback(e) for e in self.events)}, steps lost (declared): "
                     f"{self.steps_lost}. Downtime per change: {spread}. Worst relative loss gap: {gap} "
-                    f"(tolerance {LOSS_REL_TOL:g}). Ledger: {self.ledger}", "",
+                    f"(tolerance {self.loss_tolerance:.1e}). Ledger: {self.ledger}", "",
                 "## Schedule as played", "", "| # | at (s) | step | event | note |", "|---|---|---|---|---|"]
         out += [f"| {i} | {p.at_s:.1f} | {p.step} | {p.event.describe()} | {p.note} |"
                 for i, p in enumerate(self.played)]
@@ -487,13 +488,14 @@ def _short(layout: dict[str, int]) -> str:
     return f"{layout['dp_replicate']}x{layout['dp_shard']}"
 
 
-def check_run(run: ChaosRun, seed: int) -> ChaosResult:
-    """What must hold once :meth:`ChaosRun.run` returned (each check names the agents whose logs explain it)."""
+def check_run(run: ChaosRun, seed: int, *, loss_tolerance: float = LOSS_REL_TOL) -> ChaosResult:
+    """What must hold once :meth:`ChaosRun.run` returned (each check names the agents whose logs explain it).
+    ``loss_tolerance``: relative, per step, against the uninterrupted one-process run."""
     events = read_events(run.run_dir)
     summary_path = run.run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
     ledger = check_ledger(run.run_dir) if summary is not None else None
-    loss_check, gap = _check_loss(run, summary)
+    loss_check, gap = _check_loss(run, summary, loss_tolerance)
     checks = [
         Check("run", not run.stopped_early, run.stopped_early or "schedule played, every agent exited",
               tuple(run.agents) if run.stopped_early else ()),
@@ -507,7 +509,7 @@ def check_run(run: ChaosRun, seed: int) -> ChaosResult:
     ]
     return ChaosResult(seed=seed, played=run.played, events=events, checks=checks,
                        ledger=ledger.describe() if ledger else "no ledger (training did not finish)",
-                       loss_gap=gap, steps_lost=sum(_declared(e) for e in events))
+                       loss_gap=gap, loss_tolerance=loss_tolerance, steps_lost=sum(_declared(e) for e in events))
 
 
 def _check_agents(run: ChaosRun) -> Check:
@@ -557,7 +559,7 @@ def _check_rollbacks(events: list[dict[str, Any]]) -> Check:
     return Check("rollbacks", not bad, detail, (HOST,) if bad else ())
 
 
-def _check_loss(run: ChaosRun, summary: dict[str, Any] | None) -> tuple[Check, float | None]:
+def _check_loss(run: ChaosRun, summary: dict[str, Any] | None, tolerance: float) -> tuple[Check, float | None]:
     if summary is None:
         return Check("loss", False, "no summary.json: training did not finish"), None
     losses = summary["step_losses"]
@@ -565,8 +567,8 @@ def _check_loss(run: ChaosRun, summary: dict[str, Any] | None) -> tuple[Check, f
     if missing:
         return Check("loss", False, f"no loss recorded for steps {_ranges(missing)}"), None
     gap = worst_loss_gap(run.out_dir, run.settings.base_args, losses)
-    return Check("loss", gap < LOSS_REL_TOL, f"worst relative gap to the uninterrupted run {gap:.1e} "
-                 f"(tolerance {LOSS_REL_TOL:g})"), gap
+    return Check("loss", gap < tolerance, f"worst relative gap to the uninterrupted run {gap:.1e} "
+                 f"(tolerance {tolerance:.1e})"), gap
 
 
 def _max_steps(run: ChaosRun) -> int:
