@@ -150,7 +150,7 @@ class ElasticFitLauncher(_Launcher):
             raise SystemExit(0)
         handoff.lap("teardown")
         dropped = drop_model(trainer.lightning_module)
-        return self._go_on(trainer, self._switch(handoff), dropped)
+        return self._go_on(trainer, self._switch(trainer, handoff), dropped)
 
     def _recover(self, trainer: pl.Trainer, failure: BaseException, *, held: LiveHandoff | None = None
                  ) -> str | None:
@@ -183,14 +183,16 @@ class ElasticFitLauncher(_Launcher):
             return outcome.checkpoint
         return self._continue_live(trainer, outcome, dropped)
 
-    def _switch(self, handoff: LiveHandoff) -> LiveHandoff | Rollback:
+    def _switch(self, trainer: pl.Trainer, handoff: LiveHandoff) -> LiveHandoff | Rollback:
         """Into ``handoff.generation`` with the live state; if its group cannot be formed (a member died meanwhile),
         the holders recover among themselves (see :mod:`~lightning_emig.membership.failure`)."""
         try:
             switch_to_generation(handoff.generation, timeout=self._strategy.timeout)
         except GenerationError as exc:
-            return recover_from_failure(self._strategy, exc, os.environ[ENV_NODE_ID], int(os.environ["LOCAL_RANK"]),
-                                        held=handoff)
+            outcome = recover_from_failure(self._strategy, exc, os.environ[ENV_NODE_ID],
+                                           int(os.environ["LOCAL_RANK"]), held=handoff)
+            self._record_unfinished_change(trainer, handoff, outcome)
+            return outcome
         handoff.lap("group")
         return handoff
 
@@ -205,7 +207,7 @@ class ElasticFitLauncher(_Launcher):
             if handoff.prior is not None:  # the change that left too few nodes is an event of its own
                 strategy.record_prior_event(trainer, handoff, time.perf_counter() - waiting_since)
             handoff.generation = newer
-            outcome = self._switch(handoff)
+            outcome = self._switch(trainer, handoff)
             if outcome is not handoff:  # the switch failed and a holder died meanwhile
                 return self._go_on(trainer, outcome, dropped)
             handoff.phase_started = time.perf_counter()
