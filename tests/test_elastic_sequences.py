@@ -48,6 +48,7 @@ from lightning_emig.strategy.resume import is_complete
 from lightning_emig.testing.commands import descendants, is_alive
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.held_train import (
+    ENV_DIE_AFTER_JOIN,
     ENV_DIE_BEFORE_JOIN,
     ENV_HOLD_ADMISSION_UNTIL_GENERATION,
     ENV_HOLD_LEAVING_EXIT,
@@ -341,3 +342,36 @@ def test_a_joiner_that_dies_before_the_state_moves_costs_no_rollback(tmp_path: P
     events, _ = _check_run(nodes, a_workers, final_world=2)
     assert [(e["kind"], e["old_world"], e["new_world"]) for e in events] == [("join", 1, 2)], events
     assert events[0]["generation"] >= 3, events  # B's first generation failed; A's own came after it
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_joiner_that_dies_right_after_the_state_moved_is_a_failure_after_a_join(tmp_path: Path) -> None:
+    """The same, B's worker dying right after its live join, before the first step on the world of two: the join
+    happened and is recorded, then the failure (B's shards had no copy: A rolls back, saying how far), then the join
+    of B's restarted worker — one event per change, worlds chaining."""
+    nodes = Nodes(tmp_path, rdzv_id="dies-after-join", module="lightning_emig.testing.held_train",
+                  env={ENV_HOLD_TRAINING_UNTIL_GENERATION: "1", ENV_HOLD_STEPS_FOR_JOINERS: "1"})
+    try:
+        nodes.start("a")
+        nodes.wait_for_log("a", "generation 0: world 1", 60, "A did not start")
+        a_workers = nodes.workers("a")
+        nodes.start("b", env={ENV_DIE_AFTER_JOIN: str(tmp_path / "b-died")}, max_restarts=1)
+        nodes.finish(240)
+    finally:
+        nodes.close()
+    assert "this joiner dies after its live join" in nodes.log("b"), nodes.log("b")
+    events = read_events(nodes.run_dir)
+    assert [(e["kind"], e["old_world"], e["new_world"]) for e in events] == [
+        ("join", 1, 2), ("failure", 2, 1), ("join", 1, 2)], events
+    assert events[0].get("downtime_seconds") is None, events  # no step on the world of two
+    summary = json.loads((nodes.run_dir / "summary.json").read_text())
+    assert summary["pid"] in a_workers and summary["world_size"] == 2
+    report = check_ledger(nodes.run_dir)
+    report.assert_exactly_once()
+    failure = events[1]
+    declared = set(range(failure["step"], failure["step"] + (failure.get("steps_rolled_back") or 0) + 1))
+    assert set(report.rolled_back_steps) <= declared, (report.describe(), events)
+    worst = worst_loss_gap(nodes.tmp_path, TRAIN, summary["step_losses"])
+    assert worst < REL_TOL, f"loss curve departs from the reference by {worst:.2e} (relative)"

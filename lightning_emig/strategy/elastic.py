@@ -604,13 +604,17 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
                                                         generation=handoff.generation))
         handoff.seconds = {"below_min_wait": waited}
 
-    def finish_join_event(self, trainer: pl.Trainer) -> None:
-        """Record the join once the first step on the new world has finished (or the fit ends without one)."""
+    def finish_join_event(self, trainer: pl.Trainer, *, interrupted: bool = False) -> None:
+        """Record the join once the first step on the new world has finished (or the fit ends without one).
+        ``interrupted``: a failure ended the fit before that step (called in the survivors' generation): the join
+        happened all the same and is recorded, before the failure, with no first step and no downtime."""
         if self._join is None:
             return
         record, last_step_wall, loaded_at = self._join
         self._join = None
-        record = dataclasses.replace(record, seconds={**record.seconds, "first_step": time.perf_counter() - loaded_at})
+        if not interrupted:
+            record = dataclasses.replace(record, seconds={**record.seconds,
+                                                          "first_step": time.perf_counter() - loaded_at})
         if record.kind == "join" and (record.old_world, record.old_layout) == (record.new_world, record.new_layout):
             # The holders' own generation after a change that failed before its state moved (membership.failure):
             # no change happened, none to record.
@@ -618,8 +622,8 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
                 log.warning("training again on the same %d process(es) after %.1fs: the change they began failed "
                             "before any state moved", self.world_size, time.time() - last_step_wall)
             return
-        self._record_event(trainer, ReconfigureEvent.of(record, generation=self.generation,
-                                                        downtime_seconds=time.time() - last_step_wall))
+        downtime = None if interrupted else time.time() - last_step_wall
+        self._record_event(trainer, ReconfigureEvent.of(record, generation=self.generation, downtime_seconds=downtime))
 
     @override
     def on_train_start(self) -> None:

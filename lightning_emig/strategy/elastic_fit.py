@@ -161,6 +161,8 @@ class ElasticFitLauncher(_Launcher):
         outcome = recover_from_failure(self._strategy, failure, os.environ[ENV_NODE_ID],
                                        int(os.environ["LOCAL_RANK"]), held=held)
         self._record_unfinished_change(trainer, held, outcome)
+        # A join whose first step the failure interrupted happened all the same: its event comes before the failure's.
+        self._strategy.finish_join_event(trainer, interrupted=True)
         return self._go_on(trainer, outcome, dropped)
 
     def _record_unfinished_change(self, trainer: pl.Trainer, held: LiveHandoff | None,

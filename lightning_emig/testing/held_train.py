@@ -27,6 +27,7 @@ race of two membership events in end-to-end tests, so a test hits it on any mach
 * ``LIGHTNING_EMIG_TEST_DIE_BEFORE_JOIN=F``: a joiner's worker dies (exit 1) as its live join begins — after its
   generation's group formed and the fit set up, before any state moved — if file ``F`` does not exist yet; it creates
   ``F`` first, so the worker its agent restarts joins normally.
+* ``LIGHTNING_EMIG_TEST_DIE_AFTER_JOIN=F``: the same, right after its live join is done (before its first step).
 * ``LIGHTNING_EMIG_TEST_RUN_MODULE=M``: run module ``M`` (e.g. ``lightning_emig.examples.gpt``) instead of
   ``lightning_emig.train``, with the same holds.
 
@@ -167,21 +168,32 @@ def hold_training_until(generation: int, timeout_s: float = HOLD_TIMEOUT_S) -> N
 ENV_DIE_BEFORE_JOIN = "LIGHTNING_EMIG_TEST_DIE_BEFORE_JOIN"
 
 
-def die_before_join(marker: str) -> None:
-    """A joiner's first worker dies as its live join begins (see the module docstring)."""
+ENV_DIE_AFTER_JOIN = "LIGHTNING_EMIG_TEST_DIE_AFTER_JOIN"
+
+
+def die_in_join(marker: str, *, after: bool) -> None:
+    """A joiner's first worker dies as its live join begins, or right after it (see the module docstring)."""
     from pathlib import Path
 
     from lightning_emig.strategy import elastic
 
     join_live = elastic.join_live
 
+    def die(strategy: Any) -> None:
+        Path(marker).touch()
+        log.warning("test: this joiner dies %s its live join (generation %d)", "after" if after else "before",
+                    strategy.generation)
+        logging.shutdown()
+        os._exit(1)
+
     def dying_join_live(strategy: Any, trainer: Any, handoff: Any, node_id: str) -> Any:
-        if handoff is None and not Path(marker).exists():
-            Path(marker).touch()
-            log.warning("test: this joiner dies before its live join (generation %d)", strategy.generation)
-            logging.shutdown()
-            os._exit(1)
-        return join_live(strategy, trainer, handoff, node_id)
+        dies = handoff is None and not Path(marker).exists()
+        if dies and not after:
+            die(strategy)
+        joined = join_live(strategy, trainer, handoff, node_id)
+        if dies:
+            die(strategy)
+        return joined
 
     elastic.join_live = dying_join_live
 
@@ -233,9 +245,9 @@ def main() -> None:
     hold_exit = os.environ.get(ENV_HOLD_LEAVING_EXIT) == "1"
     if hold_exit:
         record_drained_generation()
-    marker = os.environ.get(ENV_DIE_BEFORE_JOIN)
-    if marker:
-        die_before_join(marker)
+    for variable, after in ((ENV_DIE_BEFORE_JOIN, False), (ENV_DIE_AFTER_JOIN, True)):
+        if os.environ.get(variable):
+            die_in_join(os.environ[variable], after=after)
     steps = os.environ.get(ENV_HOLD_AT_STEPS)
     if steps:
         hold_at_steps({int(s) for s in steps.split(",")}, os.environ[ENV_HOLD_DIR])
