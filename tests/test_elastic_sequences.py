@@ -319,6 +319,22 @@ def test_a_joiner_left_out_by_a_drain_comes_back_through_a_new_round(tmp_path: P
 # --- 5. a joiner that dies after its generation formed, before any state moved -----------------------------------
 
 
+def _join_with_a_dying_worker(tmp_path: Path, die: str, *, rdzv_id: str) -> tuple[Nodes, list[int]]:
+    """A trains alone; B joins with ``die`` set (its first worker dies in its live join; ``--max-restarts=1`` brings
+    another). Every agent exits 0, nothing is left behind; the nodes and A's workers."""
+    nodes = Nodes(tmp_path, rdzv_id=rdzv_id, module="lightning_emig.testing.held_train",
+                  env={ENV_HOLD_TRAINING_UNTIL_GENERATION: "1", ENV_HOLD_STEPS_FOR_JOINERS: "1"})
+    try:
+        nodes.start("a")
+        nodes.wait_for_log("a", "generation 0: world 1", 60, "A did not start")
+        a_workers = nodes.workers("a")
+        nodes.start("b", env={die: str(tmp_path / "b-died")}, max_restarts=1)
+        nodes.finish(240)
+    finally:
+        nodes.close()
+    return nodes, a_workers
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
@@ -327,16 +343,7 @@ def test_a_joiner_that_dies_before_the_state_moves_costs_no_rollback(tmp_path: P
     has set up, as its live join begins. A's state has not moved: A goes on alone in a generation of its own at its
     old rank (no event: nothing changed), and the worker B's agent starts again (``--max-restarts=1``) joins in a
     later generation. No step is rolled back."""
-    nodes = Nodes(tmp_path, rdzv_id="dies-before-join", module="lightning_emig.testing.held_train",
-                  env={ENV_HOLD_TRAINING_UNTIL_GENERATION: "1", ENV_HOLD_STEPS_FOR_JOINERS: "1"})
-    try:
-        nodes.start("a")
-        nodes.wait_for_log("a", "generation 0: world 1", 60, "A did not start")
-        a_workers = nodes.workers("a")
-        nodes.start("b", env={ENV_DIE_BEFORE_JOIN: str(tmp_path / "b-died")}, max_restarts=1)
-        nodes.finish(240)
-    finally:
-        nodes.close()
+    nodes, a_workers = _join_with_a_dying_worker(tmp_path, ENV_DIE_BEFORE_JOIN, rdzv_id="dies-before-join")
     assert "this joiner dies before its live join" in nodes.log("b"), nodes.log("b")
     assert "go on in a generation of their own" in nodes.log("a"), nodes.log("a")
     events, _ = _check_run(nodes, a_workers, final_world=2)
@@ -351,16 +358,7 @@ def test_a_joiner_that_dies_right_after_the_state_moved_is_a_failure_after_a_joi
     """The same, B's worker dying right after its live join, before the first step on the world of two: the join
     happened and is recorded, then the failure (B's shards had no copy: A rolls back, saying how far), then the join
     of B's restarted worker — one event per change, worlds chaining."""
-    nodes = Nodes(tmp_path, rdzv_id="dies-after-join", module="lightning_emig.testing.held_train",
-                  env={ENV_HOLD_TRAINING_UNTIL_GENERATION: "1", ENV_HOLD_STEPS_FOR_JOINERS: "1"})
-    try:
-        nodes.start("a")
-        nodes.wait_for_log("a", "generation 0: world 1", 60, "A did not start")
-        a_workers = nodes.workers("a")
-        nodes.start("b", env={ENV_DIE_AFTER_JOIN: str(tmp_path / "b-died")}, max_restarts=1)
-        nodes.finish(240)
-    finally:
-        nodes.close()
+    nodes, a_workers = _join_with_a_dying_worker(tmp_path, ENV_DIE_AFTER_JOIN, rdzv_id="dies-after-join")
     assert "this joiner dies after its live join" in nodes.log("b"), nodes.log("b")
     events = read_events(nodes.run_dir)
     assert [(e["kind"], e["old_world"], e["new_world"]) for e in events] == [

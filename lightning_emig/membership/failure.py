@@ -182,6 +182,7 @@ def recover_from_failure(
     backend = _backend(strategy)
     client = control_client_from_env()
     ours = _holders_of(held) if held is not None else _generation_members(strategy, client)  # before the release
+    first_scope = ours.scope
     for attempt in range(1, RECOVERY_ATTEMPTS + 1):
         try:
             return _recover_once(strategy, error, node_id, local_rank, ours, held, backend, client)
@@ -191,7 +192,7 @@ def recover_from_failure(
             log.error("a survivor died while the survivors of generation %d recovered (%s): recovering again "
                       "(attempt %d)", ours.members.generation, lost, attempt + 1)
             error = lost
-            ours = dataclasses.replace(ours, scope=f"{ours.scope.split('/again')[0]}/again{attempt}")
+            ours = dataclasses.replace(ours, scope=f"{first_scope}/again{attempt}")
     raise RuntimeError(f"the survivors of generation {ours.members.generation} lost a member in each of "
                        f"{RECOVERY_ATTEMPTS} recoveries in a row; giving up (torchrun's restart path)") from error
 
