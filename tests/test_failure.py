@@ -297,8 +297,9 @@ class _HeldRun:
             rdzv_id=self.rdzv_id, rdzv_conf=f"is_host={str(name == 'a').lower()}", train_args=self.args,
             module="lightning_emig.testing.held_train", env=self.env)
 
-    def logs(self) -> str:
-        return "".join(_log(self.tmp_path, n) for n in self.agents)
+    def logs(self, chars: int = 6000) -> str:
+        """The last ``chars`` of every node's log."""
+        return "".join(_log(self.tmp_path, n, chars) for n in self.agents)
 
     def held_at(self, step: int) -> None:
         """Rank 0, whichever node it is on, holds at ``step`` (until :meth:`release`)."""
@@ -385,6 +386,10 @@ def test_failures_at_worlds_of_four_and_three_recover_live_or_roll_back(tmp_path
     assert [(e["old_world"], e["new_world"], e["step"], e["steps_rolled_back"]) for e in events] == [
         (4, 3, 20, 0), (3, 2, 40, 5)], events
     assert [e["old_layout"]["dp_replicate"] for e in events] == [2, 1]
+    # Periodic checkpoints keep working on the uneven world the rebuild made (FSDP over three: shards of unequal rows).
+    for step in (30, 40):
+        assert is_complete(run.run_dir / "checkpoints" / f"step{step:06d}.ckpt"), f"checkpoint of step {step}"
+    assert "CHECKPOINT FAILED" not in run.logs(chars=10**8)
 
 
 @pytest.mark.slow
@@ -420,32 +425,3 @@ def test_failures_at_a_world_of_four_without_replicas_and_three_with_them(tmp_pa
     assert [(e["old_world"], e["new_world"], e["step"], e["steps_rolled_back"]) for e in events] == [
         (4, 3, 40, 5), (3, 2, 70, 0)], events
     assert [e["old_layout"]["dp_replicate"] for e in events] == [1, 3]
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_periodic_checkpoints_keep_working_after_a_preemption_into_an_uneven_world(tmp_path: Path) -> None:
-    """Four nodes, FSDP over four; at step 20 node D is preempted (4 -> 3: shards of uneven sizes). Every periodic
-    checkpoint the world of three is due to write (steps 30 .. 60) is complete and none failed."""
-    from lightning_emig.strategy.resume import is_complete
-
-    run = _HeldRun(tmp_path, _args(60, []), "20", "preempt-4-3")
-    try:
-        for name in "abcd":
-            run.start(name)
-        run.held_at(20)
-        survivors = run.workers("ab")
-        os.kill(run.agents["d"].pid, signal.SIGTERM)  # the notice
-        wait_for(lambda: "preemption notice" in _log(tmp_path, "d", 10**6), 60, f"no notice seen:\n{run.logs()}")
-        run.release(20)
-        run.finish(None, 240)
-    finally:
-        stop_agents(run.agents)
-    assert run.check(survivors, 60, [], final_world=3) == []  # no failure
-    events = read_events(run.run_dir)
-    assert [(e["kind"], e["old_world"], e["new_world"]) for e in events] == [("preempt", 4, 3)], events
-    assert events[0]["new_layout"]["dp_shard"] == 3
-    for step in range(30, 61, 10):
-        assert is_complete(run.run_dir / "checkpoints" / f"step{step:06d}.ckpt"), f"checkpoint of step {step}"
-    assert "CHECKPOINT FAILED" not in run.logs()
