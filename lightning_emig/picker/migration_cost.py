@@ -1,0 +1,88 @@
+"""Bytes a change of layout moves, from shapes alone: the picker's default tie-breaker.
+
+It drives the migration planner's own geometry and rank assignment (:mod:`lightning_emig.migration`) with the
+placements training gives each parameter (pinned by ``tests/test_parallel_parity.py``), without any tensor.
+
+Invariants:
+
+* the result is the bytes every process must receive that it does not already hold, summed over processes, under
+  the identity map :func:`~lightning_emig.migration.planner.assign_new_ranks` chooses (most bytes kept in place);
+* every old rank is assumed alive to send (a change with notice); processes beyond the old world are joiners;
+* the migrated state is what training migrates: the fp32 parameter and AdamW's two fp32 moments (12 bytes an
+  element; AdamW's scalar ``step`` is ignored); gradients are not migrated;
+* tensors of equal shape and placement are planned once, weighted by their count (bytes are linear in it).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from lightning_emig.migration.geometry import REPLICATE, PlacementSpec, TensorSharding
+from lightning_emig.migration.planner import TensorMigration, assign_new_ranks
+from lightning_emig.migration.stages import stage_of
+from lightning_emig.picker.shapes import ParamTensor, param_tensors
+
+if TYPE_CHECKING:
+    from lightning_emig.layout import HybridLayout
+    from lightning_emig.models.llama import LlamaConfig
+
+#: fp32 parameter + AdamW exp_avg + exp_avg_sq.
+MIGRATED_BYTES_PER_ELEMENT = 12
+
+
+def sharding_of(tensor: ParamTensor, layout: HybridLayout, n_layers: int) -> TensorSharding:
+    """The geometry training gives ``tensor`` under ``layout``: TP first, then FSDP2 on dim 0 over the dp axes."""
+    names: list[str] = []
+    placements: list[PlacementSpec] = []
+    if layout.dp > 1:
+        if layout.dp_replicate > 1:
+            names.append("dp_replicate")
+            placements.append(REPLICATE)
+        names.append("dp_shard")
+        strided = layout.tp > 1 and tensor.tp_dim == 0  # FSDP2 chunks the TP-local dim 0 again
+        placements.append(PlacementSpec("strided", 0, layout.tp) if strided else PlacementSpec("shard", 0))
+    if layout.tp > 1:
+        names.append("tp")
+        placements.append(REPLICATE if tensor.tp_dim is None else PlacementSpec("shard", tensor.tp_dim))
+    stage = stage_of(tensor.name, layout.pp, n_layers) if layout.pp > 1 else None
+    return TensorSharding.for_layout(tensor.shape, layout, names, placements, stage=stage)
+
+
+def estimate_migration_bytes(model: LlamaConfig, old: HybridLayout, new: HybridLayout, *,
+                             bytes_per_element: int = MIGRATED_BYTES_PER_ELEMENT) -> int:
+    """Bytes received over the network when the state moves from ``old`` to ``new`` (both resolved)."""
+    if old == new:
+        return 0
+    tensors = _grouped_migrations(model, old, new, bytes_per_element)
+    survivors = {pid: pid for pid in range(old.world_size)}
+    joiners = list(range(old.world_size, max(old.world_size, new.world_size)))
+    assignment = assign_new_ranks(tensors, old_world=old.world_size, new_world=new.world_size,
+                                  survivors=survivors, joiners=joiners)
+    needed = sum(t.new.replicas * _numel(t.new.global_shape) * t.itemsize for t in tensors)
+    return needed - assignment.bytes_in_place
+
+
+def _grouped_migrations(model: LlamaConfig, old: HybridLayout, new: HybridLayout,
+                        bytes_per_element: int) -> list[TensorMigration]:
+    def key(t: ParamTensor) -> tuple[object, ...]:
+        stages = tuple(stage_of(t.name, lay.pp, model.n_layers) if lay.pp > 1 else 0 for lay in (old, new))
+        return (t.shape, t.tp_dim, stages)
+
+    tensors = param_tensors(model)
+    counts = Counter(key(t) for t in tensors)
+    first: dict[tuple[object, ...], ParamTensor] = {}
+    for t in tensors:
+        first.setdefault(key(t), t)
+    return [
+        TensorMigration(name=f"{index:03d}:{t.name}", itemsize=bytes_per_element * counts[k],
+                        old=sharding_of(t, old, model.n_layers), new=sharding_of(t, new, model.n_layers))
+        for index, (k, t) in enumerate(first.items())
+    ]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
