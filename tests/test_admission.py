@@ -113,6 +113,24 @@ def test_the_agent_rejoins_only_when_every_failed_worker_was_left_out() -> None:
     assert not _left_out(RunResult(state=WorkerState.FAILED))
 
 
+def test_a_failed_node_sees_the_survivors_go_on_without_it_even_past_an_overlapping_round() -> None:
+    """Chaos seed 3: B's worker dies in generation 0 (A and B); A recovers into generation 1 of its own (committed)
+    while B's agent, in an overlapping rendezvous round, publishes generation 2 listing its dead worker as kept.
+    Nobody forms 2, and nobody publishes another unless B comes back: B's agent must rejoin now, not wait."""
+    from lightning_emig.launcher.generation import generation_going_on_without
+
+    store = dist.HashStore()
+    _publish(store, ("a", False), ("b", False))
+    commit_generation(store, 0)
+    assert generation_going_on_without(store, "b") is None  # the survivors have not recovered yet
+    _publish(store, ("a", True))
+    commit_generation(store, 1)
+    assert generation_going_on_without(store, "b") == 1
+    _publish(store, ("a", True), ("b", True))  # B's round, not committed by the holders
+    assert generation_going_on_without(store, "b") == 1
+    assert generation_going_on_without(store, "a") is None
+
+
 def test_the_survivors_generation_is_published_with_the_store_its_rank_0_already_hosts() -> None:
     """No free-port race: the port published is one the publisher bound before publishing, and forming the group
     uses that very store."""

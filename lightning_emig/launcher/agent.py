@@ -63,6 +63,7 @@ from lightning_emig.launcher.generation import (
     agent_heartbeat_key,
     control_prefix,
     dead_key,
+    generation_going_on_without,
     latest_generation,
     leaving_key,
     make_node_id,
@@ -198,10 +199,10 @@ class MembershipAgent(LocalElasticAgent):
             return False  # this node was the whole job: nobody carries on
         deadline = time.monotonic() + self.failure_wait_s
         while time.monotonic() < deadline:
-            latest = latest_generation(control)
-            if latest >= 0 and self.node_id not in {n.node_id for n in read_generation(control, latest).nodes}:
+            without = generation_going_on_without(control, self.node_id)
+            if without is not None:
                 logger.warning("[%s] the survivors carried on as generation %d; rejoining with fresh workers",
-                               self.node_id, latest)
+                               self.node_id, without)
                 control.delete_key(dead_key(self.node_id))  # decided; a later failure must not read it again
                 return True
             time.sleep(0.2)
@@ -212,6 +213,9 @@ class MembershipAgent(LocalElasticAgent):
     def _mark_dead(self) -> None:
         """``dead/<node_id>``: this node's workers failed; the survivors need not wait for stale heartbeats."""
         assert self._control is not None
+        # A dead worker is not ready: the holders must not take its stale ready key for a joiner that can form a group.
+        for local_rank in range(self._worker_group.spec.local_world_size):
+            self._control.delete_key(ready_key(self.node_id, local_rank))
         self._control.set(dead_key(self.node_id), json.dumps({"time": time.time(), "generation": self.generation}))
 
     def _peer_restarting(self) -> bool:

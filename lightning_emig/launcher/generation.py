@@ -335,6 +335,20 @@ def active_generation(client: Store) -> int:
     return int(client.get(ACTIVE_GENERATION_KEY)) if client.check([ACTIVE_GENERATION_KEY]) else -1
 
 
+def generation_going_on_without(client: Store, node_id: str) -> int | None:
+    """A generation the job goes on in without ``node_id`` (whose workers failed), or None while the survivors may
+    still be waiting for it.
+
+    The newest published generation when it leaves the node out; else the one the state holders committed to last
+    when that leaves it out. The second case: the holders recovered into a generation of their own (committed) while
+    this node's agent, busy in an overlapping rendezvous round, published a newer one that still lists its dead
+    workers as kept; nobody forms that one, and no agent publishes another unless this node comes back in."""
+    for generation in (latest_generation(client), active_generation(client)):
+        if generation >= 0 and node_id not in {n.node_id for n in read_generation(client, generation).nodes}:
+            return generation
+    return None
+
+
 def wait_for_generation(client: Store, newer_than: int, *, timeout_s: float, poll_s: float = 0.2) -> int:
     """Poll until a generation newer than ``newer_than`` is published; return its number."""
     deadline = time.monotonic() + timeout_s
