@@ -39,7 +39,7 @@ from lightning_emig.testing.nodes import log_tail as _log
 from lightning_emig.testing.nodes import wait_for as _wait_for
 
 REPO = Path(__file__).resolve().parents[1]
-MAX_STEPS = 300
+MAX_STEPS = 150
 TRAIN = ["data=synthetic", "model=tiny", f"trainer.max_steps={MAX_STEPS}", "trainer.global_batch_size=8",
          "trainer.micro_batch_size=2", "trainer.progress_bar=false", "trainer.pg_timeout_s=60"]
 REL_TOL = 1e-4
