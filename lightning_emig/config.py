@@ -10,7 +10,7 @@ This module keeps ``typing.Optional`` (not ``X | None``) because OmegaConf reads
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, List, Optional  # noqa: UP035
+from typing import Any, Dict, List, Optional  # noqa: UP035
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -40,6 +40,37 @@ class ScheduledLayout:
 
 
 @dataclass(kw_only=True)
+class PickerSection:
+    """``elastic.picker``: let the layout picker choose each world's layout (see :mod:`lightning_emig.picker`).
+
+    Off by default: each world then gets the requested ``layout`` where it divides the world, else pure FSDP.
+    Training keeps ``trainer.micro_batch_size`` and uses every device (the picker's idle devices and micro batch
+    search are for ``python -m lightning_emig.pick``); the compute precision comes from ``trainer.precision``."""
+
+    enabled: bool = False
+    dp_replicate: Optional[List[int]] = None  # noqa: UP006, UP045
+    """Allowed HSDP replica degrees (null: any)."""
+    dp_shard: Optional[List[int]] = None  # noqa: UP006, UP045
+    tp: Optional[List[int]] = None  # noqa: UP006, UP045
+    """Allowed tensor-parallel degrees (null: any the model's heads and FFN divide)."""
+    pp: Optional[List[int]] = None  # noqa: UP006, UP045
+    tp_within_node: bool = True
+    """Keep every tensor-parallel group inside one node."""
+    devices_per_node: Optional[int] = None  # noqa: UP045
+    """Null: the processes per node of this job (``LOCAL_WORLD_SIZE``)."""
+    device_memory_gb: Optional[float] = None  # noqa: UP045
+    """Memory of one device; null: unbounded (CPU runs)."""
+    usable_memory_fraction: float = 0.9
+    allow_pp: bool = False
+    tie_tolerance: float = 0.02
+    """Estimated step times within this fraction are a near-tie, won by the fewest bytes to migrate."""
+    table: Dict[str, LayoutSection] = field(default_factory=dict)  # noqa: UP006
+    """Pinned layouts by world size, overriding the search: ``{"3": {dp_shard: 3}}``."""
+    profile: Optional[str] = None  # noqa: UP045
+    """A hardware profile JSON (``lightning_emig.picker.save_profile``); null: the H100 defaults."""
+
+
+@dataclass(kw_only=True)
 class ElasticSection:
     schedule: List[ScheduledLayout] = field(default_factory=list)  # noqa: UP006
     """Live layout changes at fixed steps, e.g. ``[{step: 50, layout: {tp: 2}}]``."""
@@ -56,6 +87,7 @@ class ElasticSection:
     below_min_timeout_s: float = 300.0
     """With fewer nodes than ``--nnodes`` MIN, how long survivors wait (state in memory) for joiners before they
     carry on with the nodes they have."""
+    picker: PickerSection = field(default_factory=PickerSection)
 
 
 @dataclass(kw_only=True)

@@ -51,10 +51,13 @@ def test_torchrun_launches_the_same_script(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("override", "message"),
     [("layout.tpp=2", "Could not override 'layout.tpp'"), ("+layout.tpp=2", "tpp"),
-     ("recipe=nope", "Could not find 'recipe/nope'")],
+     ("recipe=nope", "Could not find 'recipe/nope'"),
+     ("elastic.picker.tpp=[2]", "Could not override 'elastic.picker.tpp'"),
+     ("elastic.picker.enabled=true elastic.picker.tp=[3] elastic.picker.tp_within_node=false",
+      "no allowed tp=[3] divides the model's heads")],
 )
 def test_bad_config_fails_with_a_clear_message(tmp_path: Path, override: str, message: str) -> None:
-    cmd = python_module_command("lightning_emig.train", override, f"hydra.run.dir={tmp_path}")
+    cmd = python_module_command("lightning_emig.train", *override.split(), f"hydra.run.dir={tmp_path}")
     result = run_command(cmd, timeout_s=60, cwd=REPO)
     assert result.returncode != 0
     assert message in result.stdout

@@ -202,7 +202,7 @@ def test_agent_carries_workers_over_only_for_joins(
     monkeypatch: pytest.MonkeyPatch, state: str, peer_restarting: bool, live: bool, survivors: list[str] | None,
     expected: str,
 ) -> None:
-    from lightning_emig.launcher.generation import NodeEntry, dead_key, publish_generation
+    from lightning_emig.launcher.generation import NodeEntry, dead_key, publish_generation, ready_key
 
     calls: list[str] = []
     monkeypatch.setattr(LocalElasticAgent, "_restart_workers", lambda self, wg: calls.append("restart"))
@@ -218,10 +218,13 @@ def test_agent_carries_workers_over_only_for_joins(
                            world_size=len(survivors), master_addr="h", master_port=1, rendezvous_seconds=0.0)
     if peer_restarting:
         agent._control.set(restart_key(4), "b_2")
-    group = SimpleNamespace(state=WorkerState[state])
+    group = SimpleNamespace(state=WorkerState[state], spec=SimpleNamespace(local_world_size=1))
+    agent._control.set(ready_key("a_1", 0), "4")  # its worker was ready once
     agent._restart_workers(group)
     marked = not peer_restarting and agent._control.check([restart_key(4)])
     dead = agent._control.check([dead_key("a_1")])  # a rejoining node took its marker back: it was decided
+    if "stop" in calls:  # its workers failed: none of them is ready to join anything
+        assert not agent._control.check([ready_key("a_1", 0)])
     assert "+".join(calls + (["mark"] if marked else []) + (["dead"] if dead else [])) == expected
 
 

@@ -381,3 +381,61 @@ def test_cli_unknown_key_names_the_valid_ones(capsys: pytest.CaptureFixture[str]
     assert pick_main(["world=8", "micro_batch_size=4", "current.dp_shard=4", "current.tp=2", "--out", str(out)]) == 0
     record = json.loads(out.read_text())
     assert record["world"] == 8 and record["micro_batch_size"] == 4 and record["migration_bytes"] is not None
+
+
+# --- the picker as training asks it ------------------------------------------------------------------------------
+
+
+def _training_picker(**section: Any) -> Any:
+    from lightning_emig.picker.policy import LayoutPicker
+
+    return LayoutPicker.from_section({"enabled": True, **section}, model=MODEL_SIZES["tiny"], seq_len=128,
+                                     precision="32-true", local_world_size=1)
+
+
+def test_training_uses_every_process_and_the_configured_micro_batch() -> None:
+    from lightning_emig.picker.policy import LayoutPicker
+
+    assert LayoutPicker.from_section({"enabled": False}, model=MODEL_SIZES["tiny"], seq_len=128,
+                                     precision="32-true", local_world_size=1) is None
+    picker = _training_picker()
+    for world in (1, 2, 3, 6):
+        result = picker.pick(world, global_batch_size=12, micro_batch_size=2)
+        assert result.idle_devices == 0 and result.layout.world_size == world
+        assert result.chosen.plan is not None and result.chosen.plan.micro_batch_size == 2
+    with pytest.raises(NoFeasibleLayoutError, match="global batch 12 not divisible by micro 2 x dp 4"):
+        picker.pick(4, global_batch_size=12, micro_batch_size=2)  # 4 processes: no layout uses all
+
+
+def test_a_pinned_world_in_the_training_section_overrides_the_search() -> None:
+    searched = _training_picker().pick(2, global_batch_size=12, micro_batch_size=2).layout
+    pinned = _training_picker(table={"2": {"dp_shard": 2}}).pick(2, global_batch_size=12, micro_batch_size=2)
+    assert searched == HybridLayout(dp_replicate=2, dp_shard=1) and pinned.layout == HybridLayout(dp_shard=2)
+    assert "pinned by table[2]" in pinned.explanation
+
+
+def test_the_training_section_is_checked_at_start() -> None:
+    with pytest.raises(PickerError, match="unknown picker key"):
+        _training_picker(tpp=[2])
+    with pytest.raises(PickerError, match="elastic.picker.profile"):
+        _training_picker(profile="/nonexistent/profile.json")
+
+
+def test_elastic_settings_ask_the_picker_and_check_its_answer() -> None:
+    from lightning_emig.membership.settings import ElasticSettings
+    from lightning_emig.migration.transfer import TransferOptions
+
+    def refuse_replicas(layout: HybridLayout) -> None:
+        if layout.dp_replicate > 1:
+            raise ValueError("this module refuses replicas")
+
+    settings = ElasticSettings(requested_layout=HybridLayout(), global_batch_size=12, micro_batch_size=2,
+                               transfer=TransferOptions(), validate_layout=lambda layout: None,
+                               picker=_training_picker())
+    choice = settings.choose(3, current=HybridLayout(dp_replicate=2, dp_shard=1))
+    assert choice.layout == HybridLayout(dp_replicate=3, dp_shard=1) and choice.plan.grad_accumulation == 2
+    record = choice.record()
+    assert record is not None and record["migration_bytes"] > 0 and "fastest" in record["explanation"]
+    strict = dataclasses.replace(settings, validate_layout=refuse_replicas)
+    with pytest.raises(ValueError, match="refuses replicas"):
+        strict.choose(3)

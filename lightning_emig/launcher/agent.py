@@ -190,7 +190,7 @@ class MembershipAgent(LocalElasticAgent):
         """Our workers failed: tell the survivors, stop the rest, wait for their generation without this node."""
         assert self._control is not None
         control = self._control
-        self._mark_dead()
+        self._mark_dead(worker_group)
         logger.error("[%s] WORKER FAILURE on this node: marked it dead for the survivors; stopping its workers",
                      self.node_id)
         self._stop_workers(worker_group)
@@ -210,11 +210,11 @@ class MembershipAgent(LocalElasticAgent):
                      self.node_id, self.failure_wait_s)
         return False
 
-    def _mark_dead(self) -> None:
+    def _mark_dead(self, worker_group: WorkerGroup) -> None:
         """``dead/<node_id>``: this node's workers failed; the survivors need not wait for stale heartbeats."""
         assert self._control is not None
         # A dead worker is not ready: the holders must not take its stale ready key for a joiner that can form a group.
-        for local_rank in range(self._worker_group.spec.local_world_size):
+        for local_rank in range(worker_group.spec.local_world_size):
             self._control.delete_key(ready_key(self.node_id, local_rank))
         self._control.set(dead_key(self.node_id), json.dumps({"time": time.time(), "generation": self.generation}))
 
@@ -385,7 +385,7 @@ class MembershipAgent(LocalElasticAgent):
         if failed and self._notice_at is not None and self._control is not None:
             # Preempted, and its workers are gone (killed, left out, or died handing off): the node goes, as announced;
             # for the survivors it is a failure (marked, so they need not wait for stale heartbeats).
-            self._mark_dead()
+            self._mark_dead(worker_group)
             raise _LeaveJob("preemption notice, and this node's workers failed")
         if result.state == WorkerState.FAILED and _left_out(result):
             self._rejoin_left_out(worker_group)
@@ -410,7 +410,7 @@ class MembershipAgent(LocalElasticAgent):
         """
         if not self.live_membership or self._control is None:
             return
-        self._mark_dead()
+        self._mark_dead(self._worker_group)
         logger.error("[%s] WORKER FAILURE and no restart left (--max-restarts): this node leaves the job",
                      self.node_id)
         self._exit_rendezvous_round()

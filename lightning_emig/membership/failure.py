@@ -250,7 +250,7 @@ def _recover_once(
 
     new_world, my_new_rank = len(survivors), new_rank_of[rank]
     # Decided, and checked against the model and the global batch, before anything moves.
-    new_layout, _ = strategy.elastic_settings.layout_for_world(new_world)
+    new_layout, _ = strategy.elastic_settings.layout_for_world(new_world, current=old_layout)
     steps = {reports[r]["step"] for r in survivors}
     # A survivor without a consistent state (it failed inside a step or a migration) still knows how far it got.
     furthest = max(max(steps), *(reports[r].get("reached", -1) for r in survivors))

@@ -135,7 +135,7 @@ def drain_leavers(trainer: pl.Trainer, client: Any, handoff: LiveHandoff) -> Liv
     new_rank_of = {old: new for new, old in enumerate(survivors)}
     new_world = len(survivors)
     # Decided, and checked against the model and the global batch, before anything is published or moved.
-    new_layout, _ = strategy.elastic_settings.layout_for_world(new_world)
+    new_layout, _ = strategy.elastic_settings.layout_for_world(new_world, current=old_layout)
     my_new_rank = new_rank_of.get(rank)
 
     # The new generation: one the agents published meanwhile (survivors + joiners), else the survivors', published

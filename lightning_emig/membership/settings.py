@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
     from lightning_emig.membership.failure import FailureSettings
     from lightning_emig.membership.handoff import LiveHandoff
+    from lightning_emig.picker import PickResult
+    from lightning_emig.picker.policy import LayoutPicker
 
 log = logging.getLogger(__name__)
 
@@ -38,14 +40,26 @@ class ElasticSettings:
     transfer: TransferOptions
     validate_layout: Callable[[HybridLayout], None]
     """Raises for a layout the model cannot be split by (see :func:`validate_layout_for_module`)."""
+    picker: LayoutPicker | None = None
+    """Chooses each world's layout (``elastic.picker``); None: :func:`layout_for_new_world`'s rule."""
 
-    def layout_for_world(self, world_size: int) -> tuple[HybridLayout, BatchPlan]:
+    def layout_for_world(self, world_size: int, current: HybridLayout | None = None) -> tuple[HybridLayout, BatchPlan]:
         """The layout for ``world_size`` processes and its batch plan, both checked; raises before anything moves."""
-        layout = layout_for_new_world(self.requested_layout, world_size)
+        choice = self.choose(world_size, current)
+        return choice.layout, choice.plan
+
+    def choose(self, world_size: int, current: HybridLayout | None = None) -> LayoutChoice:
+        """:meth:`layout_for_world` with the picker's explanation. ``current``: the layout the live state is in
+        (the picker breaks near-ties by the bytes a change from it moves); None at a start or a rollback."""
+        pick = None
+        if self.picker is None:
+            layout = layout_for_new_world(self.requested_layout, world_size)
+        else:
+            pick = self.picker.pick(world_size, global_batch_size=self.global_batch_size,
+                                    micro_batch_size=self.micro_batch_size, current=current)
+            layout = pick.layout
         self.validate_layout(layout)
-        plan = BatchPlan(global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size,
-                         dp_degree=layout.dp)
-        return layout, plan
+        return LayoutChoice(layout, self.plan_for(layout), pick)
 
     def unworkable_worlds(self, worlds: list[int]) -> dict[int, str]:
         """Which of ``worlds`` the rule cannot lay out, and why. Raises when none of them can be: a job whose every
@@ -67,6 +81,24 @@ class ElasticSettings:
     def plan_for(self, layout: HybridLayout) -> BatchPlan:
         return BatchPlan(global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size,
                          dp_degree=layout.dp)
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutChoice:
+    """A world's layout, its batch plan, and the picker's result when the picker chose it."""
+
+    layout: HybridLayout
+    plan: BatchPlan
+    pick: PickResult | None = None
+
+    def record(self) -> dict[str, Any] | None:
+        """What an event records of the choice (None: chosen by the fixed rule)."""
+        if self.pick is None:
+            return None
+        chosen = self.pick.chosen
+        return {"explanation": self.pick.explanation, "est_step_seconds": chosen.est_step_seconds,
+                "est_memory_bytes": chosen.est_memory_bytes, "migration_bytes": chosen.migration_bytes,
+                "candidates": sum(1 for c in self.pick.candidates if c.feasible)}
 
 
 class ElasticWorker(Protocol):

@@ -54,7 +54,7 @@ from lightning_emig.membership.group import (
     under_launcher,
 )
 from lightning_emig.membership.handoff import LIVE_CHECKPOINT, LiveHandoff
-from lightning_emig.membership.settings import ElasticSettings, validate_layout_for_module
+from lightning_emig.membership.settings import ElasticSettings, LayoutChoice, validate_layout_for_module
 from lightning_emig.migration.change import ChangeRecord
 from lightning_emig.migration.state import training_state
 from lightning_emig.migration.transfer import DEFAULT_BUCKET_BYTES, TransferOptions
@@ -80,6 +80,7 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
     from lightning_emig.membership.failure import Rollback
+    from lightning_emig.picker.policy import LayoutPicker
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,9 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         async_checkpoints: Checkpoints saved while training runs (the periodic ones) are written in the background
             (:class:`~lightning_emig.strategy.async_checkpoint.AsyncCheckpointWriter`): training waits only for the
             copy to CPU memory. Saves outside training stay synchronous.
+        picker: Choose each world's layout, the first one included, with the layout picker
+            (:class:`~lightning_emig.picker.policy.LayoutPicker`); ``layout`` is then ignored. None: each new world
+            keeps the requested ``tp``/``pp``/``dp_replicate`` where they divide it, else pure FSDP.
     """
 
     def __init__(
@@ -118,6 +122,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         checksum: bool = False,
         failure: FailureSettings | None = None,
         async_checkpoints: bool = False,
+        picker: LayoutPicker | None = None,
     ) -> None:
         super().__init__(
             data_parallel_size=1,
@@ -173,6 +178,9 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         """Set when this fit resumed from a checkpoint file, until its first step's time is recorded."""
         self.async_checkpoints = async_checkpoints
         self._checkpoint_writer = AsyncCheckpointWriter(timeout)
+        self.picker = picker
+        self.layout_choice: LayoutChoice | None = None
+        """How this fit's layout was chosen (the picker's explanation goes into the next event's record)."""
 
     # ------------------------------------------------------------------ layout
     @property
@@ -241,7 +249,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             requested_layout=self._requested_layout, global_batch_size=self.global_batch_size,
             micro_batch_size=self.micro_batch_size,
             transfer=TransferOptions(bucket_bytes=self.bucket_bytes, checksum=self.checksum),
-            validate_layout=lambda layout: validate_layout_for_module(module, layout),
+            validate_layout=lambda layout: validate_layout_for_module(module, layout), picker=self.picker,
         )
 
     # ------------------------------------------------------------- lifecycle
@@ -291,19 +299,45 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         # Skip ModelParallelStrategy's 2-D mesh: ours is built from the layout.
         self._setup_distributed()
         settings = self.elastic_settings
-        if self.live_join or self.start_reason is not None or self._rollback is not None:
+        if settings.picker is not None:
+            self.layout_choice = self._agreed_choice(settings)
+        elif self.live_join or self.start_reason is not None or self._rollback is not None:
             # A world this job did not start with (joined, restarted, rolled back): the rule of every change decides.
-            layout, plan = settings.layout_for_world(self.world_size)
+            self.layout_choice = settings.choose(self.world_size)
         else:  # the first start: the layout asked for, or a loud error if it does not fit this world
             layout = self._requested_layout.resolve(self.world_size)
             settings.validate_layout(layout)
-            plan = settings.plan_for(layout)
+            self.layout_choice = LayoutChoice(layout, settings.plan_for(layout))
+        layout, plan = self.layout_choice.layout, self.layout_choice.plan
         self.migrating = self.live_join  # configure_model must not initialise: the join overwrites every tensor
         self.install_mesh(build_mesh(layout, self.root_device.type, timeout=self.timeout), plan)
         if self.async_checkpoints:
             self._checkpoint_writer.open()
         if self._rollback is not None and self._rollback.checkpoint is None:
             self._note_rollback(step=0, load_seconds=0.0)  # no checkpoint: the fit starts over from step 0
+
+    def _agreed_choice(self, settings: ElasticSettings) -> LayoutChoice:
+        """The picker's layout for this world, decided by rank 0 and sent to every rank: rank 0 of a new generation
+        holds the live state (it knows the layout the state is in, the migration cost's origin); a joiner decides
+        nothing. Rank 0 logs the candidates table."""
+        import torch.distributed as dist
+
+        box: list[object] = [None]
+        if self.global_rank == 0:
+            current = self._incoming_handoff.old_layout if self._incoming_handoff is not None else None
+            try:
+                box[0] = settings.choose(self.world_size, current)
+            except ValueError as error:  # every rank raises it, not only rank 0
+                box[0] = error
+        if dist.is_initialized() and self.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], Exception):
+            raise box[0]
+        choice = box[0]
+        assert isinstance(choice, LayoutChoice) and choice.pick is not None
+        if self.global_rank == 0:
+            log.warning("layout picker, world %d:\n%s", self.world_size, choice.pick.table(max_rows=8))
+        return choice
 
     def _form_generation_group(self) -> None:
         """Under lightning-emig-run, after a live change, torchrun's env:// rendezvous no longer applies. A joiner
@@ -384,6 +418,9 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             self._record_event(trainer, event)
 
     def _record_event(self, trainer: pl.Trainer, event: ReconfigureEvent) -> None:
+        choice = self.layout_choice
+        if choice is not None and choice.layout.as_dict() == event.new_layout:
+            event.layout_choice = choice.record()  # the picker chose this fit's layout: why, in its words
         self.events.append(event)
         if self.global_rank != 0:
             return

@@ -59,6 +59,8 @@ class ReconfigureEvent:
     """Last step finished on the old world to first step finished on the new (membership changes only)."""
     steps_rolled_back: int | None = None
     """Steps done on the old world after the checkpoint a restart resumed from (recomputed on the new one)."""
+    layout_choice: dict[str, Any] | None = None
+    """Why the layout picker chose ``new_layout`` (None: the requested layout or the fixed rule)."""
 
     @classmethod
     def of(cls, change: ChangeRecord, *, generation: int | None = None, downtime_seconds: float | None = None
@@ -74,7 +76,7 @@ class ReconfigureEvent:
 
     def as_dict(self) -> dict[str, Any]:
         optional = (("generation", self.generation), ("downtime_seconds", self.downtime_seconds),
-                    ("steps_rolled_back", self.steps_rolled_back))
+                    ("steps_rolled_back", self.steps_rolled_back), ("layout_choice", self.layout_choice))
         extra = {k: v for k, v in optional if v is not None}
         return {
             "kind": self.kind, "step": self.step, "old_layout": self.old_layout, "new_layout": self.new_layout,

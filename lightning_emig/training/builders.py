@@ -22,6 +22,8 @@ from lightning_emig.data.sampler import GlobalOffsetSampler
 from lightning_emig.data.stream import MicroBatchStream
 from lightning_emig.layout import HybridLayout
 from lightning_emig.membership.failure import FailureSettings
+from lightning_emig.models.llama import get_model_config
+from lightning_emig.picker.policy import LayoutPicker
 from lightning_emig.strategy import ElasticMigrationStrategy
 from lightning_emig.strategy.events import stable_run_id
 from lightning_emig.strategy.progress import StepProgressBar
@@ -70,6 +72,16 @@ def build_strategy(cfg: TrainConfig) -> ElasticMigrationStrategy:
         checksum=cfg.elastic.checksum,
         failure=failure_settings(cfg),
         async_checkpoints=cfg.trainer.checkpoint_async,
+        picker=layout_picker(cfg),
+    )
+
+
+def layout_picker(cfg: TrainConfig) -> LayoutPicker | None:
+    """The ``elastic.picker`` section as a picker (None when not enabled); a setting that cannot work raises here."""
+    section = _section_dict(cfg.elastic.picker)
+    return LayoutPicker.from_section(
+        section, model=get_model_config(cfg.model.size), seq_len=cfg.data.seq_len, precision=str(cfg.trainer.precision),
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
     )
 
 
