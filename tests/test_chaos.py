@@ -14,8 +14,8 @@ where replicas existed; every step's loss within a relative 1e-4 of the uninterr
 
 * ``test_a_seeded_chaos_schedule``: 12 events, in the default suite; seeds from ``LIGHTNING_EMIG_CHAOS_SEEDS``
   (comma-separated, default ``1``).
-* ``test_a_long_chaos_schedule``: 32 events, only with ``LIGHTNING_EMIG_CHAOS_LONG=1``; writes its results to
-  ``docs/results/chaos_long.md`` (seed ``LIGHTNING_EMIG_CHAOS_LONG_SEED``, default 7).
+* ``test_a_long_chaos_schedule``: 32 events over 2400 steps in float64, only with ``LIGHTNING_EMIG_CHAOS_LONG=1``;
+  writes its results to ``docs/results/chaos_long.md`` (seed ``LIGHTNING_EMIG_CHAOS_LONG_SEED``, default 7).
 
 Nothing here waits on a wall-clock threshold: ``trainer.max_steps`` is sized so training outlasts the schedule on a
 slow machine, and a run where it did not is reported as such (the ``run`` check), not as a library failure.
@@ -30,7 +30,6 @@ import pytest
 
 from lightning_emig.testing.chaos import (
     HOST,
-    LOSS_REL_TOL,
     REUSE_AFTER_S,
     ChaosResult,
     ChaosRun,
@@ -42,7 +41,7 @@ from lightning_emig.testing.chaos import (
     initial_nodes,
     make_schedule,
 )
-from lightning_emig.testing.nodes import REPO, reference_losses, uninterrupted_losses
+from lightning_emig.testing.nodes import REPO
 
 SEEDS = [int(s) for s in os.environ.get("LIGHTNING_EMIG_CHAOS_SEEDS", "1").split(",")]
 LONG = os.environ.get("LIGHTNING_EMIG_CHAOS_LONG") == "1"
@@ -58,14 +57,14 @@ def _train(max_steps: int) -> tuple[str, ...]:
             "elastic.heartbeat_timeout_s=5")
 
 
-def _play(out_dir: Path, spec: ScheduleSpec, max_steps: int, loss_tolerance: float = LOSS_REL_TOL
+def _play(out_dir: Path, spec: ScheduleSpec, max_steps: int, base_args: tuple[str, ...] | None = None
           ) -> tuple[ChaosResult, ChaosRun]:
     schedule = make_schedule(spec)
-    settings = ChaosSettings(base_args=_train(max_steps), min_nodes=spec.min_nodes, max_nodes=spec.max_nodes,
-                             max_restarts=spec.max_restarts)
+    settings = ChaosSettings(base_args=base_args or _train(max_steps), min_nodes=spec.min_nodes,
+                             max_nodes=spec.max_nodes, max_restarts=spec.max_restarts)
     run = ChaosRun(out_dir, schedule, settings)
     run.run()  # stops every process it started, whatever happens
-    result = check_run(run, spec.seed, loss_tolerance=loss_tolerance)
+    result = check_run(run, spec.seed)
     print(result.markdown(f"chaos, seed {spec.seed}"))
     return result, run
 
@@ -124,26 +123,25 @@ def test_a_seeded_chaos_schedule(tmp_path: Path, seed: int) -> None:
 @pytest.mark.timeout(3000)
 @pytest.mark.skipif(not LONG, reason="long chaos run: set LIGHTNING_EMIG_CHAOS_LONG=1")
 def test_a_long_chaos_schedule(tmp_path: Path) -> None:
-    """Over 2400 steps, two data-parallel ranks drift from one process by themselves (they sum gradients in
-    another order; measured: 3.7e-3 relative at worst, past 1e-4 from step ~440): the tolerance is twice the drift
-    of an uninterrupted run on two processes, measured here against the same one-process run."""
+    """In float64: over 2400 steps, float32 data-parallel ranks drift from one process by themselves (they sum
+    gradients in another order; measured: 3.7e-3 relative at worst, past 1e-4 from step ~440), which would hide what
+    the loss check is for. In float64 that drift stays near 1e-15 (measured over 300 steps), so the documented 1e-4
+    holds over the whole run, as in the short runs."""
     max_steps = 2400
-    reference = reference_losses(tmp_path, _train(max_steps))
-    steady = uninterrupted_losses(tmp_path, [*_train(max_steps), "layout=hsdp"], nproc=2)
-    drift = max(abs(steady[k] - reference[k]) / abs(reference[k]) for k in reference)
-    tolerance = max(LOSS_REL_TOL, 2 * drift)
-    result, run = _play(tmp_path, ScheduleSpec(seed=LONG_SEED, events=32), max_steps=max_steps,
-                        loss_tolerance=tolerance)
+    train = (*_train(max_steps), "model.dtype=float64")
+    result, run = _play(tmp_path, ScheduleSpec(seed=LONG_SEED, events=32), max_steps=max_steps, base_args=train)
     LONG_RESULTS.parent.mkdir(parents=True, exist_ok=True)
     command = (f"LIGHTNING_EMIG_CHAOS_LONG=1 LIGHTNING_EMIG_CHAOS_LONG_SEED={LONG_SEED} "
                ".venv/bin/pytest -q tests/test_chaos.py -k long -s")
     page = result.markdown(f"Long chaos run: {len(result.played)} events", command)
-    LONG_RESULTS.write_text(page + _tolerance_note(drift, tolerance))
+    LONG_RESULTS.write_text(page + LONG_NOTE)
     assert result.ok, result.explain(run)
 
 
-def _tolerance_note(drift: float, tolerance: float) -> str:
-    return (f"\n## Loss tolerance\n\nAn uninterrupted run of the same training on two processes (`layout=hsdp`, "
-            f"no change of world) departs from the one-process run by {drift:.1e} (relative, worst step): data-"
-            f"parallel ranks sum gradients in another order, and over 2400 steps that drift grows past the 1e-4 the "
-            f"short runs hold to. This run's tolerance is twice that drift: {tolerance:.1e}.\n")
+LONG_NOTE = """
+## Precision
+
+This run trains in float64 (`model.dtype=float64`) and is held to the same 1e-4 as the short runs. In float32, two
+data-parallel ranks drift from one process by themselves over 2400 steps (they sum gradients in another order:
+3.7e-3 relative at the worst step, measured), so a float32 comparison would have to tolerate what it is meant to catch.
+"""

@@ -128,9 +128,14 @@ def rotary_tables(
     return angles.cos(), angles.sin()
 
 
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` upcast to float32 for precision-sensitive math (bf16 -> float32); a float64 model stays float64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` of shape ``[B, T, heads, head_dim]`` (rotate-half convention)."""
-    first, second = x.float().chunk(2, dim=-1)
+    first, second = at_least_float32(x).chunk(2, dim=-1)
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
     return rotated.type_as(x)
@@ -297,4 +302,4 @@ class Llama(nn.Module):
 
 def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross entropy of ``logits [B, T, V]`` against ``targets [B, T]`` (already shifted by one)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    return F.cross_entropy(at_least_float32(logits.reshape(-1, logits.shape[-1])), targets.reshape(-1))

@@ -124,21 +124,6 @@ def _run_reference(tmp_path: Path, train_args: Sequence[str]) -> dict[str, float
     return json.loads((run_dir / "summary.json").read_text())["step_losses"]
 
 
-def uninterrupted_losses(tmp_path: Path, train_args: Sequence[str], nproc: int) -> dict[str, float]:
-    """Per-step losses of the same training on ``nproc`` processes of one standalone node, with no change of world:
-    how far data-parallel ranks summing gradients in another order drift from one process by themselves."""
-    import json
-
-    from lightning_emig.testing.commands import python_module_command, run_command
-
-    run_dir = tmp_path / f"uninterrupted-{nproc}"
-    cmd = python_module_command("lightning_emig.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
-                                "lightning_emig.train", *train_args, f"hydra.run.dir={run_dir}")
-    result = run_command(cmd, timeout_s=1800, cwd=REPO, env={"OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stdout[-4000:]
-    return json.loads((run_dir / "summary.json").read_text())["step_losses"]
-
-
 def worst_loss_gap(tmp_path: Path, train_args: Sequence[str], losses: Mapping[str, float],
                    steps: Iterable[str] | None = None) -> float:
     """Largest relative gap between ``losses`` and :func:`reference_losses`, over ``steps`` (default: every step of

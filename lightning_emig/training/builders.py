@@ -131,6 +131,7 @@ def build_run(cfg: TrainConfig, run_dir: Path) -> RunParts:
         optim=OptimConfig(**_section_dict(cfg.optim)),
         max_steps=cfg.trainer.max_steps,
         seed=cfg.trainer.seed,
+        dtype=cfg.model.dtype,
     )
     every = cfg.trainer.checkpoint_every_n_steps
     checkpoint = HandoffAwareCheckpoint(

@@ -26,6 +26,8 @@ from lightning_emig.models.llama import Llama, causal_lm_loss, get_model_config
 from lightning_emig.parallelize import materialize_and_init, materialize_empty, parallelize_model
 from lightning_emig.training.optim import OptimConfig, build_adamw, build_warmup_cosine
 
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
 
 class LlamaLightningModule(pl.LightningModule):
     """Causal language modelling on byte tokens.
@@ -35,11 +37,15 @@ class LlamaLightningModule(pl.LightningModule):
         optim: Optimiser and schedule settings.
         max_steps: Length of the cosine schedule.
         seed: Seed of the deterministic initialisation.
+        dtype: ``float32`` or ``float64``: the dtype of the parameters (and so of the optimizer state).
     """
 
     def __init__(self, model_size: str = "tiny", optim: OptimConfig | None = None, max_steps: int = 100,
-                 seed: int = 0) -> None:
+                 seed: int = 0, dtype: str = "float32") -> None:
         super().__init__()
+        if dtype not in DTYPES:
+            raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        self.dtype_of_parameters = DTYPES[dtype]
         self.model_config = get_model_config(model_size)
         self.optim_config = optim or OptimConfig()
         self.max_steps = max_steps
@@ -62,7 +68,7 @@ class LlamaLightningModule(pl.LightningModule):
             return
         layout_mesh = self.trainer.strategy.layout_mesh
         with torch.device("meta"):
-            model = Llama(self.model_config)
+            model = Llama(self.model_config).to(self.dtype_of_parameters)
         model = parallelize_model(model, layout_mesh)
         if getattr(self.trainer.strategy, "migrating", False):
             # A live layout change overwrites every parameter: initialising first would be wasted work.
