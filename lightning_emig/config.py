@@ -26,6 +26,12 @@ class ModelSection:
     """Parameter and optimizer-state dtype: ``float32``, or ``float64`` for long equivalence runs on CPU (data-parallel
     ranks sum gradients in another order than one process; in float64 that drift stays near 1e-12, in float32 it
     grows past 1e-4 within a few hundred steps)."""
+    compute_dtype: Optional[str] = None  # noqa: UP045
+    """Null: compute in ``dtype``. ``bfloat16``: FSDP2 mixed precision (``MixedPrecisionPolicy``): forward and
+    backward in bf16, parameters, gradient reduction and optimizer state in ``dtype`` (the master weights; what
+    checkpoints and migrations move)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder block in backward (``torch.utils.checkpoint``): activations of one block at a time."""
 
 
 @dataclass(kw_only=True)
@@ -61,14 +67,14 @@ class PickerSection:
     tp_within_node: bool = True
     """Keep every tensor-parallel group inside one node."""
     devices_per_node: Optional[int] = None  # noqa: UP045
-    """Null: the processes per node of this job (``LOCAL_WORLD_SIZE``)."""
+    """Null: the processes per node of this job (``trainer.devices``, or torchrun's ``LOCAL_WORLD_SIZE``)."""
     device_memory_gb: Optional[float] = None  # noqa: UP045
     """Memory of one device; null: unbounded (CPU runs)."""
     usable_memory_fraction: float = 0.9
     allow_pp: bool = False
     tie_tolerance: float = 0.02
     """Estimated step times within this fraction are a near-tie, won by the fewest bytes to migrate."""
-    table: Dict[str, LayoutSection] = field(default_factory=dict)  # noqa: UP006
+    table: Dict[str, Dict[str, int]] = field(default_factory=dict)  # noqa: UP006
     """Pinned layouts by world size, overriding the search: ``{"3": {dp_shard: 3}}``."""
     profile: Optional[str] = None  # noqa: UP045
     """A hardware profile JSON (``lightning_emig.picker.save_profile``); null: the H100 defaults."""

@@ -390,14 +390,14 @@ def _training_picker(**section: Any) -> Any:
     from lightning_emig.picker.policy import LayoutPicker
 
     return LayoutPicker.from_section({"enabled": True, **section}, model=MODEL_SIZES["tiny"], seq_len=128,
-                                     precision="32-true", local_world_size=1)
+                                     local_world_size=1)
 
 
 def test_training_uses_every_process_and_the_configured_micro_batch() -> None:
     from lightning_emig.picker.policy import LayoutPicker
 
     assert LayoutPicker.from_section({"enabled": False}, model=MODEL_SIZES["tiny"], seq_len=128,
-                                     precision="32-true", local_world_size=1) is None
+                                     local_world_size=1) is None
     picker = _training_picker()
     for world in (1, 2, 3, 6):
         result = picker.pick(world, global_batch_size=12, micro_batch_size=2)
@@ -439,3 +439,22 @@ def test_elastic_settings_ask_the_picker_and_check_its_answer() -> None:
     strict = dataclasses.replace(settings, validate_layout=refuse_replicas)
     with pytest.raises(ValueError, match="refuses replicas"):
         strict.choose(3)
+
+
+def test_a_profile_measured_and_saved_in_the_run_directory_calibrates_the_picker(tmp_path: Any) -> None:
+    from lightning_emig.config import TrainConfig
+    from lightning_emig.picker.calibrate import PROFILE_FILE
+    from lightning_emig.picker.calibrate import main as calibrate
+    from lightning_emig.training.builders import layout_picker
+
+    assert calibrate(["--out", str(tmp_path / PROFILE_FILE), "--device", "cpu", "--quick"]) == 0
+    measured = load_profile(tmp_path / PROFILE_FILE)
+    default = HardwareProfile()
+    assert measured.name == "measured on cpu"
+    assert measured.flops_fp32 != default.flops_fp32 and measured.hbm_bandwidth != default.hbm_bandwidth
+    assert measured.inter_node_bandwidth == default.inter_node_bandwidth  # one node cannot measure it
+    cfg = TrainConfig()
+    cfg.elastic.picker.enabled = True
+    picker = layout_picker(cfg, tmp_path)
+    assert picker is not None and picker.profile == measured
+    assert layout_picker(cfg, tmp_path / "elsewhere").profile == default  # type: ignore[union-attr]

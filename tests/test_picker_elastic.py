@@ -47,7 +47,7 @@ REL_TOL = 1e-4
 def _picked(world: int, current: HybridLayout | None) -> HybridLayout:
     """What the picker answers offline, from the same settings the run has (one process per node)."""
     picker = LayoutPicker.from_section({"enabled": True}, model=MODEL_SIZES["tiny"], seq_len=SEQ_LEN,
-                                       precision="32-true", local_world_size=1)
+                                       local_world_size=1)
     assert picker is not None
     return picker.pick(world, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH, current=current).layout
 

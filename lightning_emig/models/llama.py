@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from lightning_emig.models.base import TensorParallelPlan
@@ -187,8 +188,17 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(config)
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.feed_forward = FeedForward(config)
+        self.recompute_in_backward = False
+        """Activation checkpointing (``torch.utils.checkpoint``): keep the block's input, recompute the rest."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.recompute_in_backward and torch.is_grad_enabled():
+            # Inside the block's FSDP2 unit (its hooks gather the parameters around this call and again before
+            # backward): only ``x`` is kept for backward, the rest is recomputed there.
+            return torch.utils.checkpoint.checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+        return self._forward(x, cos, sin)
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -203,11 +213,13 @@ class Llama(nn.Module):
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, *, activation_checkpointing: bool = False) -> None:
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.n_layers)})
+        for block in self.layers.values():
+            block.recompute_in_backward = activation_checkpointing
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         cos, sin = rotary_tables(config)

@@ -6,7 +6,8 @@ Invariants:
   left (embedding, final norm, output projection);
 * parameters are sharded on dim 0 over ``dp_shard``; with ``dp_replicate > 1`` the mesh is the 2-D
   ``(dp_replicate, dp_shard)`` mesh (HSDP: replicate across the first axis, shard across the second);
-* when the data-parallel degree is 1 FSDP2 is not applied at all, so a ``tp``-only layout keeps pure TP DTensors;
+* when the data-parallel degree is 1 FSDP2 is not applied at all, so a ``tp``-only layout keeps pure TP DTensors
+  (unless a mixed-precision policy is given: then FSDP2 wraps over the 1-rank ``dp_shard`` axis);
 * gradients come out averaged over the data-parallel ranks (FSDP2's default), so each rank's loss must be the
   mean over its own micro-batch for the result to equal the gradient of the global-batch mean.
 """
@@ -47,8 +48,12 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
 ) -> None:
     """Wrap each of ``blocks`` (default: ``model.blocks()`` if it has one), then the root, with ``fully_shard`` in
-    place (no-op when ``dp == 1``)."""
+    place. With ``dp == 1`` nothing is done, unless ``mp_policy`` is given: FSDP2 is what casts the parameters to the
+    compute dtype, so it then wraps over the 1-rank ``dp_shard`` axis (a layout change must not change the
+    numerics)."""
     mesh = data_parallel_mesh(layout_mesh)
+    if mesh is None and mp_policy is not None:
+        mesh = layout_mesh[MeshAxis.DP_SHARD]
     if mesh is None:
         return
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -1,7 +1,8 @@
 """The picker as training asks it: one layout for each world the job reaches, from the ``elastic.picker`` settings.
 
-Training runs every process (a device left idle would need a worker outside the mesh: not built yet) and keeps the
-configured micro batch (the data stream's unit), so :meth:`LayoutPicker.pick` fixes those two and searches the rest:
+Training runs every process (a device left idle would need a worker outside the mesh: not built yet), keeps the
+configured micro batch (the data stream's unit) and its precision and activation checkpointing, so
+:meth:`LayoutPicker.pick` fixes those and searches the rest:
 degrees, node boundaries, memory, estimated step time, and migration bytes from the layout the state is in now.
 
 Every rank of a generation must run the same layout: the strategy lets the new generation's rank 0 decide and sends
@@ -24,8 +25,6 @@ if TYPE_CHECKING:
     from lightning_emig.layout import HybridLayout
     from lightning_emig.models.llama import LlamaConfig
 
-#: ``trainer.precision`` values whose compute dtype is bf16 (the memory and throughput models' "bf16").
-BF16_PRECISIONS = ("bf16-mixed", "bf16-true", "bf16")
 #: Keys of ``elastic.picker`` that are not constraints.
 POLICY_KEYS = ("enabled", "profile")
 
@@ -49,18 +48,20 @@ class LayoutPicker:
                            constraints=constraints, profile=self.profile, current=current)
 
     @classmethod
-    def from_section(cls, section: Mapping[str, Any], *, model: LlamaConfig, seq_len: int, precision: str,
-                     local_world_size: int) -> LayoutPicker | None:
+    def from_section(cls, section: Mapping[str, Any], *, model: LlamaConfig, seq_len: int,
+                     mixed_precision: str = "fp32", activation_checkpointing: bool = False,
+                     local_world_size: int = 1) -> LayoutPicker | None:
         """From the ``elastic.picker`` section (a plain mapping); None when it is not enabled. A setting that cannot
-        work is a :class:`PickerError` naming it, raised here, at start."""
+        work is a :class:`PickerError` naming it, raised here, at start. ``local_world_size``: processes per node,
+        the default ``devices_per_node``."""
         if not section.get("enabled", False):
             return None
         values = {k: v for k, v in section.items() if k not in POLICY_KEYS}
         if values.get("devices_per_node") is None:
             values["devices_per_node"] = local_world_size
-        values["mixed_precision"] = "bf16" if precision in BF16_PRECISIONS else "fp32"
-        # Checkpointing is not a training option yet: the memory model must not count on it.
-        values["activation_checkpointing"] = False
+        # What training runs with (``model.compute_dtype``, ``model.activation_checkpointing``), not a search.
+        values["mixed_precision"] = mixed_precision
+        values["activation_checkpointing"] = activation_checkpointing
         constraints = PickerConstraints.from_mapping(values)
         constraints.check_model(model, seq_len=seq_len)
         profile_path = section.get("profile")

@@ -23,6 +23,7 @@ from lightning_emig.data.stream import MicroBatchStream
 from lightning_emig.layout import HybridLayout
 from lightning_emig.membership.failure import FailureSettings
 from lightning_emig.models.llama import get_model_config
+from lightning_emig.picker.calibrate import PROFILE_FILE
 from lightning_emig.picker.policy import LayoutPicker
 from lightning_emig.strategy import ElasticMigrationStrategy
 from lightning_emig.strategy.events import stable_run_id
@@ -61,7 +62,7 @@ def build_loader(cfg: TrainConfig) -> MicroBatchLoader:
     return MicroBatchLoader(MicroBatchStream(dataset, sampler, cfg.trainer.micro_batch_size))
 
 
-def build_strategy(cfg: TrainConfig) -> ElasticMigrationStrategy:
+def build_strategy(cfg: TrainConfig, run_dir: Path | None = None) -> ElasticMigrationStrategy:
     return ElasticMigrationStrategy(
         layout=HybridLayout(**_section_dict(cfg.layout)),
         global_batch_size=cfg.trainer.global_batch_size,
@@ -72,16 +73,22 @@ def build_strategy(cfg: TrainConfig) -> ElasticMigrationStrategy:
         checksum=cfg.elastic.checksum,
         failure=failure_settings(cfg),
         async_checkpoints=cfg.trainer.checkpoint_async,
-        picker=layout_picker(cfg),
+        picker=layout_picker(cfg, run_dir),
     )
 
 
-def layout_picker(cfg: TrainConfig) -> LayoutPicker | None:
-    """The ``elastic.picker`` section as a picker (None when not enabled); a setting that cannot work raises here."""
+def layout_picker(cfg: TrainConfig, run_dir: Path | None = None) -> LayoutPicker | None:
+    """The ``elastic.picker`` section as a picker (None when not enabled); a setting that cannot work raises here.
+    Without a ``profile``, a hardware profile saved in the run directory (``lightning_emig.picker.calibrate``)
+    calibrates it."""
     section = _section_dict(cfg.elastic.picker)
+    if section.get("profile") is None and run_dir is not None and (run_dir / PROFILE_FILE).exists():
+        section["profile"] = str(run_dir / PROFILE_FILE)
+    bf16 = cfg.model.compute_dtype == "bfloat16" or str(cfg.trainer.precision).startswith("bf16")
     return LayoutPicker.from_section(
-        section, model=get_model_config(cfg.model.size), seq_len=cfg.data.seq_len, precision=str(cfg.trainer.precision),
-        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        section, model=get_model_config(cfg.model.size), seq_len=cfg.data.seq_len,
+        mixed_precision="bf16" if bf16 else "fp32", activation_checkpointing=cfg.model.activation_checkpointing,
+        local_world_size=_process_topology(cfg)[0],
     )
 
 
@@ -125,13 +132,15 @@ def build_run(cfg: TrainConfig, run_dir: Path) -> RunParts:
     change under ``lightning-emig-run``)."""
     _check_sequence_fits_model(cfg)
     devices, num_nodes = _process_topology(cfg)
-    strategy = build_strategy(cfg)
+    strategy = build_strategy(cfg, run_dir)
     module = LlamaLightningModule(
         model_size=cfg.model.size,
         optim=OptimConfig(**_section_dict(cfg.optim)),
         max_steps=cfg.trainer.max_steps,
         seed=cfg.trainer.seed,
         dtype=cfg.model.dtype,
+        compute_dtype=cfg.model.compute_dtype,
+        activation_checkpointing=cfg.model.activation_checkpointing,
     )
     every = cfg.trainer.checkpoint_every_n_steps
     checkpoint = HandoffAwareCheckpoint(

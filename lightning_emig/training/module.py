@@ -19,6 +19,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from typing_extensions import override
 
 from lightning_emig.layout import HybridLayout
@@ -27,6 +28,7 @@ from lightning_emig.parallelize import materialize_and_init, materialize_empty, 
 from lightning_emig.training.optim import OptimConfig, build_adamw, build_warmup_cosine
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class LlamaLightningModule(pl.LightningModule):
@@ -38,14 +40,23 @@ class LlamaLightningModule(pl.LightningModule):
         max_steps: Length of the cosine schedule.
         seed: Seed of the deterministic initialisation.
         dtype: ``float32`` or ``float64``: the dtype of the parameters (and so of the optimizer state).
+        compute_dtype: None (compute in ``dtype``), or ``bfloat16`` / ``float32`` for FSDP2 mixed precision
+            (parameters stay in ``dtype``).
+        activation_checkpointing: Recompute each decoder block in backward.
     """
 
     def __init__(self, model_size: str = "tiny", optim: OptimConfig | None = None, max_steps: int = 100,
-                 seed: int = 0, dtype: str = "float32") -> None:
+                 seed: int = 0, dtype: str = "float32", compute_dtype: str | None = None,
+                 activation_checkpointing: bool = False) -> None:
         super().__init__()
         if dtype not in DTYPES:
             raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if compute_dtype is not None and compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"model.compute_dtype must be null or one of {sorted(COMPUTE_DTYPES)}, "
+                             f"got {compute_dtype!r}")
         self.dtype_of_parameters = DTYPES[dtype]
+        self.compute_dtype = COMPUTE_DTYPES[compute_dtype] if compute_dtype else self.dtype_of_parameters
+        self.activation_checkpointing = activation_checkpointing
         self.model_config = get_model_config(model_size)
         self.optim_config = optim or OptimConfig()
         self.max_steps = max_steps
@@ -68,14 +79,20 @@ class LlamaLightningModule(pl.LightningModule):
             return
         layout_mesh = self.trainer.strategy.layout_mesh
         with torch.device("meta"):
-            model = Llama(self.model_config).to(self.dtype_of_parameters)
-        model = parallelize_model(model, layout_mesh)
+            model = Llama(self.model_config, activation_checkpointing=self.activation_checkpointing)
+        model = parallelize_model(model.to(self.dtype_of_parameters), layout_mesh, mp_policy=self._mp_policy())
         if getattr(self.trainer.strategy, "migrating", False):
             # A live layout change overwrites every parameter: initialising first would be wasted work.
             materialize_empty(model, self.trainer.strategy.root_device)
         else:
             materialize_and_init(model, self.trainer.strategy.root_device, seed=self.seed)
         self.model = model
+
+    def _mp_policy(self) -> MixedPrecisionPolicy | None:
+        """bf16 compute, fp32 (``dtype``) gradient reduction; None: compute in the parameters' dtype."""
+        if self.compute_dtype == self.dtype_of_parameters:
+            return None
+        return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=self.dtype_of_parameters)
 
     @override
     def on_train_start(self) -> None:
