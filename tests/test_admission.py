@@ -295,7 +295,7 @@ def test_holders_recover_again_when_one_of_them_dies_before_their_generation_for
     worker = SimpleNamespace(
         failure_settings=FailureSettings(failure_timeout_s=10, heartbeat_timeout_s=60), timeout=timedelta(seconds=3),
         reached_step=5, process_group_backend="gloo", release_process_groups=lambda: None,
-        elastic_settings=SimpleNamespace(layout_for_world=lambda world: (HybridLayout(dp_shard=world), None)))
+        elastic_settings=SimpleNamespace(layout_for_world=lambda world, current=None: (HybridLayout(dp_shard=world), None)))
     b_dies = threading.Timer(1.0, lambda: control.set(dead_key(b), "{}"))  # its agent marks it, as it forms
     b_dies.start()
     try:
