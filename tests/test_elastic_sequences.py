@@ -60,7 +60,7 @@ from lightning_emig.testing.ledger import check_ledger
 from lightning_emig.testing.nodes import log_tail, start_node, stop_agents, wait_for, worst_loss_gap
 from lightning_emig.training.step_times import read_step_times
 
-MAX_STEPS = 250
+MAX_STEPS = 200
 CHECKPOINT_EVERY = 50
 TRAIN = ["data=synthetic", "model=tiny", f"trainer.max_steps={MAX_STEPS}", "trainer.global_batch_size=12",
          "trainer.micro_batch_size=2", "trainer.progress_bar=false", "trainer.pg_timeout_s=30", "data.ledger=true",
@@ -184,7 +184,7 @@ def _check_run(nodes: Nodes, a_workers: list[int], *, final_world: int) -> tuple
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("notice", ["as_c_starts", "during_c_round"])
+@pytest.mark.parametrize("notice", ["as_c_starts", pytest.param("during_c_round", marks=pytest.mark.long)])
 def test_a_join_and_a_preemption_in_quick_succession(tmp_path: Path, notice: str) -> None:
     started = time.monotonic()
     # as_c_starts: a preempted worker's teardown takes a moment; B's worker exits once C's generation is published.

@@ -1,7 +1,7 @@
 """An elastic run whose layouts come from the layout picker (``elastic.picker.enabled=true``), end to end.
 
 ``lightning-emig-run`` agents on loopback addresses, one worker each, ``--nnodes=1:2``, the tiny model. Node A trains
-alone; at step 20 node B joins (1 -> 2); at step 60 B's agent gets its preemption notice (2 -> 1). Test holds stop
+alone; at step 10 node B joins (1 -> 2); at step 30 B's agent gets its preemption notice (2 -> 1). Test holds stop
 rank 0 at those steps until the test has acted, so each change lands where the test says on any machine.
 
 For this model without a memory limit the picker's choice at world 2 is pure replication (``dp_replicate=2``: no
@@ -36,7 +36,7 @@ from lightning_emig.testing.nodes import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
-MAX_STEPS = 80
+MAX_STEPS = 50
 GLOBAL_BATCH, MICRO_BATCH, SEQ_LEN = 12, 2, 128
 TRAIN = ["data=synthetic", "model=tiny", f"trainer.max_steps={MAX_STEPS}", f"trainer.global_batch_size={GLOBAL_BATCH}",
          f"trainer.micro_batch_size={MICRO_BATCH}", f"data.seq_len={SEQ_LEN}", "trainer.progress_bar=false",
@@ -53,7 +53,7 @@ def _picked(world: int, current: HybridLayout | None) -> HybridLayout:
 
 
 def _start(tmp_path: Path, name: str, addr: str, port: int, *, hosts_store: bool) -> subprocess.Popen:
-    env = {"LIGHTNING_EMIG_TEST_HOLD_DIR": str(tmp_path), "LIGHTNING_EMIG_TEST_HOLD_AT_STEPS": "20,60",
+    env = {"LIGHTNING_EMIG_TEST_HOLD_DIR": str(tmp_path), "LIGHTNING_EMIG_TEST_HOLD_AT_STEPS": "10,30",
            "LIGHTNING_EMIG_TEST_HOLD_STEPS_FOR_JOINERS": "1"}
     return start_node(tmp_path, name, local_addr=addr, port=port, run_dir=tmp_path / "run", rdzv_id="picker",
                       rdzv_conf=f"is_host={str(hosts_store).lower()}", nnodes="1:2", env=env,
@@ -73,15 +73,15 @@ def test_a_join_and_a_preemption_take_the_layouts_the_picker_chooses(tmp_path: P
     agents: dict[str, subprocess.Popen] = {}
     try:
         agents["a"] = _start(tmp_path, "a", "127.0.0.2", port, hosts_store=True)
-        _held_at(tmp_path, 20, agents)
+        _held_at(tmp_path, 10, agents)
         agents["b"] = _start(tmp_path, "b", "127.0.0.3", port, hosts_store=False)
         wait_for(lambda: "world 2 on 2 node(s)" in log_tail(tmp_path, "a", 10**6), 120, "B's round was not published")
-        (tmp_path / "release-20").touch()
-        _held_at(tmp_path, 60, agents)
+        (tmp_path / "release-10").touch()
+        _held_at(tmp_path, 30, agents)
         os.kill(agents["b"].pid, signal.SIGTERM)  # the notice
         wait_for(lambda: "preemption notice" in log_tail(tmp_path, "b", 10**6) or agents["b"].poll() is not None, 60,
                  f"B's agent did not announce its departure:\n{log_tail(tmp_path, 'b')}")
-        (tmp_path / "release-60").touch()
+        (tmp_path / "release-30").touch()
         assert_agents_succeed(tmp_path, agents, 200)
     finally:
         stop_agents(agents)
