@@ -55,7 +55,8 @@ class PickerSection:
 
     Off by default: each world then gets the requested ``layout`` where it divides the world, else pure FSDP.
     Training keeps ``trainer.micro_batch_size`` and uses every device (the picker's idle devices and micro batch
-    search are for ``python -m lightning_emig.pick``); the compute precision comes from ``trainer.precision``."""
+    search are for ``python -m lightning_emig.pick``); the precision and activation checkpointing it counts are the
+    ones the model trains with (``model.compute_dtype``, ``model.activation_checkpointing``)."""
 
     enabled: bool = False
     dp_replicate: Optional[List[int]] = None  # noqa: UP006, UP045
@@ -77,7 +78,8 @@ class PickerSection:
     table: Dict[str, Dict[str, int]] = field(default_factory=dict)  # noqa: UP006
     """Pinned layouts by world size, overriding the search: ``{"3": {dp_shard: 3}}``."""
     profile: Optional[str] = None  # noqa: UP045
-    """A hardware profile JSON (``lightning_emig.picker.save_profile``); null: the H100 defaults."""
+    """A hardware profile JSON (``lightning_emig.picker.save_profile``); null: the run directory's
+    ``hardware_profile.json`` when ``lightning_emig.picker.calibrate`` saved one there, else the H100 defaults."""
 
 
 @dataclass(kw_only=True)

@@ -25,24 +25,12 @@ from torch.distributed.tensor import DTensor
 from lightning_emig.strategy.boundary import at_step_boundary
 from lightning_emig.testing.distributed import run_distributed
 from lightning_emig.testing.runs import build_run, quiet_lightning, tiny_config, with_schedule
+from lightning_emig.testing.state import full_training_state
 
 pytestmark = pytest.mark.multiprocess
 
 STEPS = 7
 CHANGES = {3: {"dp_replicate": 2, "dp_shard": 1}, 5: {"dp_shard": 1, "tp": 2}}
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-
-
-def _master_state(module: Any, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    state: dict[str, torch.Tensor] = {}
-    for name, param in module.model.named_parameters():
-        state[name] = _full(param)
-        for key in ("exp_avg", "exp_avg_sq"):
-            state[f"{name}/{key}"] = _full(optimizer.state[param][key])
-    return state
 
 
 class _Watch(Callback):
@@ -59,7 +47,7 @@ class _Watch(Callback):
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
         if step in self.before and step not in self.after:  # the first micro-batch after the change
-            self.after[step] = _master_state(pl_module, trainer.optimizers[0])
+            self.after[step] = full_training_state(pl_module.model, trainer.optimizers[0])
         if self._hooked is not pl_module.model:  # a change rebuilt the model: hook its first block again
             self._hooked = pl_module.model
             block = pl_module.model.layers["0"]
@@ -77,7 +65,7 @@ class _Watch(Callback):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if at_step_boundary(trainer) and trainer.global_step in CHANGES:
-            self.before[trainer.global_step] = _master_state(pl_module, trainer.optimizers[0])
+            self.before[trainer.global_step] = full_training_state(pl_module.model, trainer.optimizers[0])
 
 
 def _run(rank: int, world: int, root: str) -> dict[str, Any]:

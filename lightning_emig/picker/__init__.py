@@ -1,6 +1,7 @@
 """The layout picker: which hybrid layout to run on the devices the job has now, and why.
 
-Pure planning: nothing here touches ``torch.distributed``, so it is tested exhaustively without processes.
+Pure planning: nothing here but ``calibrate`` (a measurement tool, imported by name only) touches
+``torch.distributed``, so the choice is tested exhaustively without processes.
 ``constraints`` holds what the user allows, ``shapes`` the model's parameters as plain shapes, ``memory`` the peak
 bytes per device, ``throughput`` the step time under a :class:`HardwareProfile`, ``migration_cost`` the bytes a
 change moves (through the migration planner's geometry), ``candidates`` one layout's checks and estimates,

@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,9 +31,8 @@ from lightning_emig.picker.throughput import HardwareProfile, save_profile
 PROFILE_FILE = "hardware_profile.json"
 
 
-def _timed(fn: object, repeats: int) -> float:
+def _timed(fn: Callable[[], object], repeats: int) -> float:
     """Seconds per call of ``fn`` (after one warm-up call), synchronised on CUDA."""
-    assert callable(fn)
     fn()
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -488,14 +488,14 @@ def _short(layout: dict[str, int]) -> str:
     return f"{layout['dp_replicate']}x{layout['dp_shard']}"
 
 
-def check_run(run: ChaosRun, seed: int, *, loss_tolerance: float = LOSS_REL_TOL) -> ChaosResult:
+def check_run(run: ChaosRun, seed: int) -> ChaosResult:
     """What must hold once :meth:`ChaosRun.run` returned (each check names the agents whose logs explain it).
     ``loss_tolerance``: relative, per step, against the uninterrupted one-process run."""
     events = read_events(run.run_dir)
     summary_path = run.run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
     ledger = check_ledger(run.run_dir) if summary is not None else None
-    loss_check, gap = _check_loss(run, summary, events, loss_tolerance)
+    loss_check, gap = _check_loss(run, summary, events, LOSS_REL_TOL)
     checks = [
         Check("run", not run.stopped_early, run.stopped_early or "schedule played, every agent exited",
               tuple(run.agents) if run.stopped_early else ()),
@@ -509,7 +509,7 @@ def check_run(run: ChaosRun, seed: int, *, loss_tolerance: float = LOSS_REL_TOL)
     ]
     return ChaosResult(seed=seed, played=run.played, events=events, checks=checks,
                        ledger=ledger.describe() if ledger else "no ledger (training did not finish)",
-                       loss_gap=gap, loss_tolerance=loss_tolerance, steps_lost=sum(_declared(e) for e in events))
+                       loss_gap=gap, loss_tolerance=LOSS_REL_TOL, steps_lost=sum(_declared(e) for e in events))
 
 
 def _check_agents(run: ChaosRun) -> Check:
