@@ -500,14 +500,17 @@ def _failures_worker(rank: int, world: int, backend: str) -> dict[str, Any]:
     identity = IdentityMap.same_processes(world)
     out: dict[str, Any] = {}
 
-    def attempt(options: TransferOptions) -> tuple[str | None, str, Llama, torch.optim.Optimizer]:
+    def attempt(options: TransferOptions, drop: str | None = None) -> tuple[str | None, str, Llama, torch.optim.Optimizer]:
         new_model = _model(TINY, new_mesh, backend, init=False)
         new_optimizer = torch.optim.AdamW(new_model.parameters(), lr=LR, weight_decay=0.1)
         new_state = training_state(new_model, None)
         new_state.update(allocate_optimizer_state(new_model, new_optimizer, template))
+        old_state = training_state(model, optimizer)
+        for state in (old_state, new_state) if drop else ():  # this process's model lacks a tensor
+            del state[drop]
         try:
             report = migrate(
-                old_state=training_state(model, optimizer), new_state=new_state, old_layout=old_mesh.layout,
+                old_state=old_state, new_state=new_state, old_layout=old_mesh.layout,
                 new_layout=new_mesh.layout, identity=identity, pid=rank, transfer=options, release_old=False,
             )
         except (ChecksumMismatchError, MigrationFailedError) as exc:
@@ -529,6 +532,11 @@ def _failures_worker(rank: int, world: int, backend: str) -> dict[str, Any]:
     bucket = SMALL_BUCKET * 2 if rank == 1 else SMALL_BUCKET
     out["disagree_error"], out["disagree_message"], _, _ = attempt(TransferOptions(bucket_bytes=bucket, checksum=True))
     out["disagree_old_intact"] = _states_equal(before, full_training_state(model, optimizer))
+    # Process 3 plans from its own specs (every process holds both sides, so none are broadcast) but its model lacks
+    # a tensor: the specs' digests differ and every process refuses before any byte moves.
+    out["specs_error"], out["specs_message"], _, _ = attempt(
+        TransferOptions(bucket_bytes=SMALL_BUCKET), drop=sorted(template)[0] if rank == 3 else None)
+    out["specs_old_intact"] = _states_equal(before, full_training_state(model, optimizer))
     out.update(_lost_state(rank, backend, model, optimizer, old_mesh, template))
     out["lost_old_intact"] = _states_equal(before, full_training_state(model, optimizer))
     if backend == "gloo":  # last: it releases the old state
@@ -626,6 +634,9 @@ def test_processes_that_disagree_on_transfer_options_all_refuse_before_any_byte_
     assert [r["disagree_error"] for r in results] == ["MigrationFailedError"] * 4, [r["disagree_message"] for r in results]
     assert all("disagree on the transfer options" in r["disagree_message"] for r in results)
     assert all(r["disagree_old_intact"] is None for r in results)
+    assert [r["specs_error"] for r in results] == ["MigrationFailedError"] * 4, [r["specs_message"] for r in results]
+    assert all("disagree on the state's tensors" in r["specs_message"] for r in results)
+    assert all(r["specs_old_intact"] is None for r in results)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -3,13 +3,17 @@
 ``migrate`` is the single entry point, for a layout change on the same processes and for a world change
 (processes that only send, processes that only receive). Every process of ``group`` calls it:
 
-1. agree on what moves: the old specs come from the lowest live old rank, the new specs from new rank 0
-   (one small broadcast each; a process that has no old or no new state learns it this way);
-2. plan locally (no communication: every process derives the same plan);
+1. agree on what moves: where a process has no old or no new state (a joiner, a leaver) the old specs come from
+   the lowest live old rank and the new specs from new rank 0 (one small broadcast each); where every process holds
+   both (a layout change on the same processes) each uses its own and the next all-gather checks they agree;
+2. plan locally (no communication: every process derives the same plan); plans are cached per (specs, layouts,
+   identity, process, options), so a change seen before (a layout switched back and forth, a benchmark's repeats)
+   pays no planning;
 3. agree on the plan: one tiny all-gather of each process's peer count (the pair bucket size needs both ends'),
    where a process whose planning failed (e.g. state that no live process holds) sends -1, so every process
    stops before any transfer instead of waiting for a peer that will never post its operations; the same
-   all-gather checks that every process uses the same transfer options (else every process refuses);
+   all-gather checks that every process uses the same transfer options and the same specs (else every process
+   refuses);
 4. transfer: local copies, then bucketed point-to-point rounds; old storage is released as it leaves. A local error
    on one process (a copy, a release) does not make it abandon the rounds its peers post: it runs them all and
    raises afterwards, so nobody waits for the group's timeout;
@@ -24,6 +28,8 @@ or any group whose ranks are the union's processes ordered by pid.
 from __future__ import annotations
 
 import time
+import zlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -69,22 +75,29 @@ def _broadcast_specs(
 
 
 def _peer_counts(
-    plan: RankPlan | None, identity: IdentityMap, group: dist.ProcessGroup | None, options: TransferOptions
+    plan: RankPlan | None, identity: IdentityMap, group: dist.ProcessGroup | None, options: TransferOptions,
+    specs_digest: int,
 ) -> dict[int, int] | None:
     """Every process's number of peers (one tiny all-gather): both ends of a pair need the same bucket size.
 
     ``plan`` is None where planning failed; then every process gets None and must not start the transfer. The same
-    all-gather carries each process's transfer options: processes that disagree (another bucket size, checksums on
-    one side) would post mismatched messages, so every process refuses before the first byte moves.
+    all-gather carries each process's transfer options and a digest of the specs it planned from: processes that
+    disagree (another bucket size, checksums on one side, another model) would post mismatched messages, so every
+    process refuses before the first byte moves.
     """
-    gathered: list[tuple[int, tuple[int, bool, int]] | None] = [None] * len(identity.pids)
+    gathered: list[tuple[int, tuple[int, bool, int], int] | None] = [None] * len(identity.pids)
     mine = (options.bucket_bytes, options.checksum, options.in_place_min_bytes)
-    dist.all_gather_object(gathered, (-1 if plan is None else len(plan.peers), mine), group=group)
+    dist.all_gather_object(gathered, (-1 if plan is None else len(plan.peers), mine, specs_digest), group=group)
     agreed = {g[1] for g in gathered if g is not None}
     if len(agreed) > 1:
         raise MigrationFailedError(
             f"processes disagree on the transfer options (bucket_bytes, checksum, in_place_min_bytes): "
             f"{sorted(agreed)}; every process must use the same (no state was transferred or released)"
+        )
+    if len({g[2] for g in gathered if g is not None}) > 1:
+        raise MigrationFailedError(
+            "processes disagree on the state's tensors (names, shapes, dtypes or placements): every process must "
+            "build the same model and optimizer (no state was transferred or released)"
         )
     counts = [g[0] if g is not None else -1 for g in gathered]
     if any(c < 0 for c in counts):
@@ -143,24 +156,21 @@ def migrate(
         raise ValueError(f"process {pid}: state given does not match its roles {me}")
     seconds: dict[str, float] = {}
     start = time.perf_counter()
-    old_src = identity.union_rank(min(p.pid for p in identity.processes if p.old_rank is not None))
-    new_src = identity.union_rank(identity.by_new_rank(0).pid)
-    old_specs = _broadcast_specs({k: t.spec for k, t in old_state.items()} if old_state else None, old_src, group)
-    new_specs = _broadcast_specs({k: t.spec for k, t in new_state.items()} if new_state else None, new_src, group)
-    tensors = _tensor_migrations(old_specs, new_specs, old_layout, new_layout)
+    old_specs, new_specs = _agreed_specs(old_state, new_state, identity, group)
+    digest = _digest(old_specs, new_specs)
     seconds["agree"] = time.perf_counter() - start
 
     start = time.perf_counter()
     options = transfer or TransferOptions()
     try:
-        plan = plan_for_rank(tensors, identity, pid, planning or PlanOptions())
+        plan = _cached_plan(old_specs, new_specs, old_layout, new_layout, identity, pid, planning or PlanOptions())
     except Exception:  # the others must learn about it before anyone posts a transfer
-        _peer_counts(None, identity, group, options)
+        _peer_counts(None, identity, group, options, digest)
         raise
     seconds["plan"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    peer_counts = _peer_counts(plan, identity, group, options)
+    peer_counts = _peer_counts(plan, identity, group, options, digest)
     if peer_counts is None:
         raise MigrationFailedError(
             "planning failed on another process (see its error); no state was transferred or released"
@@ -180,6 +190,48 @@ def migrate(
     seconds["transfer"] = time.perf_counter() - start
     return MigrationReport(plan=plan, stats=stats, seconds=seconds, total_bytes_received=received,
                            total_bytes_copied=copied)
+
+
+def _agreed_specs(
+    old_state: dict[str, StateTensor] | None, new_state: dict[str, StateTensor] | None, identity: IdentityMap,
+    group: dist.ProcessGroup | None,
+) -> tuple[dict[str, ShardingSpec], dict[str, ShardingSpec]]:
+    """The old and new specs every process plans from: its own where every process holds both sides (checked by
+    digest in the next all-gather), else broadcast from a process that holds them."""
+    old_specs = {k: t.spec for k, t in old_state.items()} if old_state else None
+    new_specs = {k: t.spec for k, t in new_state.items()} if new_state else None
+    if all(p.old_rank is not None and p.new_rank is not None for p in identity.processes):
+        assert old_specs is not None and new_specs is not None
+        return old_specs, new_specs
+    old_src = identity.union_rank(min(p.pid for p in identity.processes if p.old_rank is not None))
+    new_src = identity.union_rank(identity.by_new_rank(0).pid)
+    return _broadcast_specs(old_specs, old_src, group), _broadcast_specs(new_specs, new_src, group)
+
+
+def _digest(old_specs: dict[str, ShardingSpec], new_specs: dict[str, ShardingSpec]) -> int:
+    """The same number on every process that holds the same specs (``hash`` of a string differs per process)."""
+    return zlib.crc32(repr((sorted(old_specs.items()), sorted(new_specs.items()))).encode())
+
+
+#: Recent plans by their inputs (a few; a plan holds one process's transfer list).
+_PLANS: OrderedDict[tuple, RankPlan] = OrderedDict()
+_PLAN_CACHE_SIZE = 8
+
+
+def _cached_plan(
+    old_specs: dict[str, ShardingSpec], new_specs: dict[str, ShardingSpec], old_layout: HybridLayout,
+    new_layout: HybridLayout, identity: IdentityMap, pid: int, planning: PlanOptions,
+) -> RankPlan:
+    key = (tuple(sorted(old_specs.items())), tuple(sorted(new_specs.items())), old_layout, new_layout, identity,
+           pid, planning)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = plan_for_rank(_tensor_migrations(old_specs, new_specs, old_layout, new_layout), identity, pid, planning)
+        _PLANS[key] = plan
+        while len(_PLANS) > _PLAN_CACHE_SIZE:
+            _PLANS.popitem(last=False)
+    _PLANS.move_to_end(key)
+    return plan
 
 
 def _tensor_migrations(

@@ -39,11 +39,19 @@ class ShardingSpec:
     placements: tuple[object, ...]
 
     def on(self, layout: HybridLayout) -> TensorSharding:
-        return TensorSharding.for_layout(self.global_shape, layout, self.mesh_dim_names, self.placements)
+        return _sharding_on(self, layout)
 
     @property
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
+
+
+@functools.lru_cache(maxsize=4096)
+def _sharding_on(spec: ShardingSpec, layout: HybridLayout) -> TensorSharding:
+    """Geometry depends on (shape, placements, layout) only: a model has a handful of distinct ones, and a change
+    asks for every state tensor's on both layouts, so it is computed once per distinct pair (the planner's inputs
+    are immutable, sharing is safe)."""
+    return TensorSharding.for_layout(spec.global_shape, layout, spec.mesh_dim_names, spec.placements)
 
 
 @dataclass(frozen=True, slots=True)

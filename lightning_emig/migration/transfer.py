@@ -17,7 +17,11 @@ Invariants:
 * ranks are ranks *in* ``group`` (``group_peer``), so the union group may be any group, not only the default one;
 * a bucket may mix dtypes: boxes sit at arbitrary byte offsets of the flat buffer, never reinterpreted in place
   at an offset their dtype cannot be aligned to;
-* old state is released (``on_release(key)``) right after the round that last reads it;
+* bounded memory of the state itself: a local copy runs in the round that last reads its source (while that round's
+  messages are on the wire), and old state is released (``on_release(key)``) right after the round that last reads
+  it, a tensor read only by local copies right after its own copies; new storage that is allocated but not yet
+  written costs no memory (untouched pages), so a process holds at most max(old, new) + one round's bytes + one
+  tensor's shard at any time;
 * with ``checksum=True`` each message carries a CRC32 of its bytes; a mismatch raises
   :class:`ChecksumMismatchError` once every round has run (so no peer is left waiting in a later round), and the
   received state must not be used.
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -225,9 +229,25 @@ def _crc(buffer: torch.Tensor) -> int:
 
 # ------------------------------------------------------------------------------------------------ running
 def copy_local(plan: RankPlan, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> int:
-    for t in plan.copies:
+    """Every local copy of ``plan`` at once (the transfer spreads them over its rounds instead)."""
+    return _copy(plan.copies, old, new)
+
+
+def _copy(transfers: Iterable[Transfer], old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> int:
+    copied = 0
+    for t in transfers:
         new[t.tensor][t.dst_slices()].copy_(old[t.tensor][t.src_slices()])
-    return plan.bytes_copied
+        copied += t.nbytes
+    return copied
+
+
+def _copies_by_round(plan: RankPlan, last_read: dict[int, list[str]]) -> dict[int, dict[str, list[Transfer]]]:
+    """Local copies by the round that last reads their source tensor (-1: no round reads it), then by tensor."""
+    round_of = {key: index for index, keys in last_read.items() for key in keys}
+    out: dict[int, dict[str, list[Transfer]]] = {}
+    for t in plan.copies:
+        out.setdefault(round_of.get(t.tensor, -1), {}).setdefault(t.tensor, []).append(t)
+    return out
 
 
 def pair_bucket_bytes(bucket_bytes: int, my_peers: int, their_peers: int) -> int:
@@ -257,33 +277,41 @@ def run_transfer(
     # A local error (a copy, a release) must not abandon the rounds: every peer posts them regardless and would
     # wait for this process until the group's timeout. The first one is kept and raised after the last round.
     local = _FirstError()
-    start = time.perf_counter()
-    stats.bytes_copied = local.run(copy_local, plan, old, new) or 0
-    stats.seconds_copy = time.perf_counter() - start
-
     me = len(plan.peers)
     schedule = _schedule(plan, me, peer_counts, options.bucket_bytes)
     last_read = _last_round_reading(schedule, old, plan)
+    copies = _copies_by_round(plan, last_read)
+    release = on_release or (lambda key: None)
     device = _device_of(new, old)
     start = time.perf_counter()
     in_place = options.corrupt_in_transit is None and not options.checksum and device.type == "cpu"
     arenas = _arenas(schedule, old, new, device, in_place, options.in_place_min_bytes)
     # The arenas are the transfer's extra memory: at most the largest round's sends plus its receives.
     stats.peak_buffer_bytes = sum(arena.buffer.numel() for arena in arenas)
+
+    def copy_round(round_index: int) -> None:  # runs while the round's messages are on the wire
+        copy_start = time.perf_counter()
+        if round_index == 0:  # sources no round reads (copied locally, or not needed): copy, then free at once
+            for key in last_read.get(-1, ()):
+                stats.bytes_copied += local.run(_copy, copies.get(-1, {}).get(key, ()), old, new) or 0
+                local.run(release, key)
+        for transfers in copies.get(round_index, {}).values():
+            stats.bytes_copied += local.run(_copy, transfers, old, new) or 0
+        stats.seconds_copy += time.perf_counter() - copy_start
+
     mismatch: ChecksumMismatchError | None = None
+    if not schedule:
+        copy_round(0)
     for round_index, (sends, recvs) in enumerate(schedule):
         # After a mismatch keep running the remaining rounds: peers post them regardless, and raising now would
         # leave them blocked until the process group times out. Nothing received is trusted after a mismatch.
         error = _run_round(
-            round_index, sends, recvs, old, new, union_rank, group, options, device, stats, arenas, in_place, local
+            round_index, sends, recvs, old, new, union_rank, group, options, device, stats, arenas, in_place, local,
+            while_on_wire=lambda i=round_index: copy_round(i),
         )
         mismatch = mismatch or error
-        if on_release is not None:
-            for key in last_read.get(round_index, ()):
-                local.run(on_release, key)
-    if on_release is not None:
-        for key in last_read.get(-1, ()):
-            local.run(on_release, key)
+        for key in last_read.get(round_index, ()):
+            local.run(release, key)
     stats.rounds = len(schedule)
     stats.seconds_transfer = time.perf_counter() - start
     if local.error is not None:
@@ -371,8 +399,10 @@ def _run_round(
     arenas: tuple[_Arena, _Arena],
     in_place: bool,
     local: _FirstError,
+    while_on_wire: Callable[[], None],
 ) -> ChecksumMismatchError | None:
-    """Post one round's sends and receives in one ``batch_isend_irecv``; return a checksum mismatch, if any.
+    """Post one round's sends and receives in one ``batch_isend_irecv``, run ``while_on_wire`` (local work) before
+    waiting for them; return a checksum mismatch, if any.
 
     Each pair's bucket travels as messages (:func:`messages_of`). With ``in_place`` (no checksum, no fault
     injection, CPU), a message that is one contiguous box is sent from, or received into, the live tensor
@@ -420,9 +450,10 @@ def _run_round(
                 ops.append(dist.P2POp(dist.irecv, checksum, group=group, group_peer=union_rank(peer)))
             received.append((peer, message, target, checksum, landed))
     assert buffer_bytes <= stats.peak_buffer_bytes, "staging outgrew its arenas"
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    works = dist.batch_isend_irecv(ops) if ops else []
+    while_on_wire()
+    for work in works:
+        work.wait()
     mismatch: ChecksumMismatchError | None = None
     for peer, message, buffer, checksum, landed in received:
         stats.bytes_received += buffer.numel()
