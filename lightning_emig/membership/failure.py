@@ -63,6 +63,7 @@ from lightning_emig.membership.handoff import LiveHandoff
 from lightning_emig.migration.change import allocate_shards, execute_change
 from lightning_emig.migration.engine import MigrationFailedError
 from lightning_emig.migration.planner import IdentityMap, ProcessInfo, StateLostError
+from lightning_emig.migration.state import release_storage
 
 if TYPE_CHECKING:
     from datetime import timedelta
@@ -390,6 +391,10 @@ def _rebuild_from_replicas(
         old_layout=old_layout, new_layout=new_layout, identity=identity, pid=new_rank, release_old=False,
         transfer=strategy.elastic_settings.transfer,
     )
+    # Rebuilt on every survivor: the stash (the dropped model's storage) is read no more. Kept until here so a
+    # rebuild that fails leaves it intact for another try.
+    release_storage(stash.state)
+    stash.state = None
     return LiveHandoff(
         generation=-1, holders=holders, old_layout=new_layout, old_world=len(survivors),
         old_rank=new_rank, state=new_state, metadata=stash.metadata, last_step_wall=stash.last_step_wall,

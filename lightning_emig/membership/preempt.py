@@ -41,6 +41,7 @@ from lightning_emig.membership.admission import commit_generation, joiners_ready
 from lightning_emig.membership.handoff import LiveHandoff
 from lightning_emig.migration.change import allocate_shards, execute_change
 from lightning_emig.migration.planner import IdentityMap, ProcessInfo
+from lightning_emig.migration.state import release_storage
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -167,6 +168,9 @@ def drain_leavers(trainer: pl.Trainer, client: Any, handoff: LiveHandoff) -> Liv
         new_layout=new_layout, identity=identity, pid=rank, release_old=False,
         transfer=strategy.elastic_settings.transfer,
     )
+    # Handed over on every process: the old shards are read no more (saves are skipped while a handoff is pending).
+    # Kept until here so a drain that fails leaves them intact for the survivors' recovery.
+    release_storage(old_state)
     handoff.seconds = {**handoff.seconds, "agree_leave": agree, "allocate": allocate}
     handoff.phase_started = time.perf_counter()
     handoff.generation = new_generation

@@ -61,6 +61,15 @@ class StateTensor:
     local: torch.Tensor
 
 
+def release_storage(state: dict[str, StateTensor]) -> None:
+    """Free the storage of every tensor of ``state`` now (nothing may read it afterwards). A dropped model's old
+    modules sit in reference cycles (FSDP's hooks) that only a full ``gc.collect()`` would free, at 0.3-0.4 s on a
+    trained process; freeing the storage itself costs nothing and is the same on GPUs (no cached block lingers)."""
+    for tensor in state.values():
+        if tensor.local.numel() > 0:
+            tensor.local.untyped_storage().resize_(0)
+
+
 def spec_of(tensor: torch.Tensor) -> ShardingSpec:
     if isinstance(tensor, DTensor):
         names = tensor.device_mesh.mesh_dim_names

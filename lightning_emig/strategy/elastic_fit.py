@@ -30,6 +30,7 @@ Lightning's own handler calls before the survivors recover in the same Trainer; 
 from __future__ import annotations
 
 import copy
+import gc
 import inspect
 import logging
 import os
@@ -178,6 +179,10 @@ class ElasticFitLauncher(_Launcher):
         """After a change or a failure: the next fit takes ``outcome`` live, or restores a checkpoint."""
         strategy = self._strategy
         if isinstance(outcome, Rollback):
+            # The dropped model's storage was not handed over and freed by a transfer: its modules' reference cycles
+            # hold it until collected, and the restore is about to allocate the model again (on a GPU, twice the
+            # state). The restart path reads a checkpoint anyway; the collection is small beside it.
+            gc.collect()
             outcome.checkpoint = _agree_on_newest_checkpoint(strategy.checkpoint_dir(trainer))
             if outcome.checkpoint is None:  # nothing complete was saved: training starts over from step 0
                 trainer.fit_loop.load_state_dict(copy.deepcopy(self._fresh_loops))
