@@ -476,6 +476,19 @@ def _device_of(*tensor_maps: dict[str, torch.Tensor]) -> torch.device:
     return next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
 
 
+def local_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    """Bytes of a process's local state tensors."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def memory_bound_bytes(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], bucket_bytes: int) -> int:
+    """The most a process's memory may grow during a transfer with ``release_old`` over holding its old state:
+    ``max(old, new) + bucket + the largest single shard - old`` (see the module's invariants). ``new`` is allocated
+    but untouched when the transfer starts (pages cost nothing until written)."""
+    largest = max((t.numel() * t.element_size() for t in (*old.values(), *new.values())), default=0)
+    return max(local_bytes(old), local_bytes(new)) + bucket_bytes + largest - local_bytes(old)
+
+
 def max_single_row_bytes(plan: RankPlan) -> int:
     """Bytes of one row (dim-0 index) of the widest transfer of ``plan``.
 
@@ -494,7 +507,9 @@ __all__ = [
     "TransferStats",
     "buckets_for_pair",
     "copy_local",
+    "local_bytes",
     "max_single_row_bytes",
+    "memory_bound_bytes",
     "messages_of",
     "pair_bucket_bytes",
     "run_transfer",

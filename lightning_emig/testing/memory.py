@@ -1,0 +1,51 @@
+"""A process's real memory, for measuring what a change costs: resident set size and its peak (Linux ``/proc``).
+
+``reset_peak()`` returns freed heap pages to the OS and resets the kernel's high-water mark (``VmHWM``) to the
+current RSS (``/proc/self/clear_refs``), so ``peak() - reset_peak()`` is the most this process's memory grew over
+what ran in between — allocator behaviour included, nothing computed from buffer sizes. On GPUs the same question
+is ``torch.cuda.reset_peak_memory_stats`` / ``max_memory_allocated``; this module covers host memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import re
+from pathlib import Path
+
+
+def _status_bytes(field: str) -> int:
+    text = Path("/proc/self/status").read_text()
+    match = re.search(rf"{field}:\s+(\d+) kB", text)
+    if match is None:
+        raise RuntimeError(f"/proc/self/status has no {field} (not Linux?)")
+    return int(match.group(1)) * 1024
+
+
+def rss() -> int:
+    """Resident bytes now."""
+    return _status_bytes("VmRSS")
+
+
+def peak() -> int:
+    """The most resident bytes since the last :func:`reset_peak` (or since the process started)."""
+    return _status_bytes("VmHWM")
+
+
+def trim() -> None:
+    """Return freed heap memory to the OS, so RSS is live data (glibc keeps freed chunks below 32 MiB)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def reset_peak() -> int:
+    """Reset the peak to the current RSS; return the current RSS. Raises where the kernel cannot reset it (the peak
+    would then cover the process's whole life and every figure would be wrong)."""
+    trim()
+    Path("/proc/self/clear_refs").write_text("5")
+    return rss()
+
+
+__all__ = ["peak", "reset_peak", "rss", "trim"]
