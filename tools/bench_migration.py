@@ -4,16 +4,23 @@ For every model and transition (same world, or a world that loses or gains proce
 parameters plus AdamW ``exp_avg`` / ``exp_avg_sq`` / ``step`` — is moved from the old layout into the same
 pre-allocated model and optimizer under the new layout, by each method in turn:
 
-* ``direct``: ``lightning_emig.migration.engine.migrate`` (planned point-to-point transfer). One untimed warm-up
-  run first (its time is kept as ``cold_seconds``), then ``--repeats`` timed runs; the fastest is reported.
+Every method is timed the same way: one warm-up run (its time kept as ``cold_seconds``), then ``--repeats`` timed
+runs, the median reported (``samples`` lists them).
+
+* ``direct``: ``lightning_emig.migration.engine.migrate`` (planned point-to-point transfer). After the timed runs one
+  more run frees the old state as it goes (``release_old``, as a live change does) with the new state's storage
+  freshly allocated, and measures the process's real peak memory (below).
 * ``dcp_disk``: ``torch.distributed.checkpoint.save`` of the live DTensors to a directory on disk (files fsynced,
   ``sync_files=True``), then ``dcp.load`` into the new layout's DTensors (DCP reshards on load). This is DCP's best
   case: loaded in place, no process restart, no optimizer rebuild, and the files are read back from the page cache.
 * ``dcp_tmpfs``: the same through a directory in ``/dev/shm``.
+* ``dcp_load``: only the load-with-reshard from disk, the checkpoint already written (untimed) before: the restart
+  path's cost when an asynchronous checkpoint of exactly this step exists.
 * ``gather_bcast``: every tensor made full (``DTensor.full_tensor``, as ``get_state_dict(full_state_dict=True)`` does)
   and kept on rank 0, then broadcast tensor by tensor from rank 0 to the new ranks, each of which keeps its own slice
   (``distribute_tensor(src_data_rank=None)``, as ``set_state_dict(broadcast_from_rank0=True)`` does). It runs last
-  and frees the old shards once rank 0 holds the full state, as a gather-based migration would.
+  and frees the old shards once rank 0 holds the full state, as a gather-based migration would (they are refilled
+  before the next run).
 
 Source state: a full initialization generates every full parameter on every rank, so instead every local shard is
 filled with an exact function of (state key, global element index) over the box the geometry says it holds
@@ -28,13 +35,17 @@ Each record's fields:
   written + bytes read back by the new ranks; ``gather_bcast``: logical bytes, what a gather to rank 0 receives
   plus what the broadcast delivers (``full_tensor`` all-gathers, so the wire carries more);
 * ``link_limit_seconds``: a raw ``batch_isend_irecv`` of preallocated contiguous buffers with exactly ``direct``'s
-  per-pair byte counts, after a warm-up exchange, fastest of ``--repeats`` (the same for every method of a transition);
+  per-pair byte counts, after a warm-up exchange, median of ``--repeats`` (the same for every method of a transition);
 * ``peak_extra_bytes``: ``direct``: the transfer's largest send + receive buffer space in one round
   (``TransferStats.peak_buffer_bytes``, max over processes); the others: measured growth of the busiest process's
   peak RSS over its RSS just before (freed heap returned with ``malloc_trim``, VmHWM reset through
   ``/proc/self/clear_refs``), plus the checkpoint's bytes for ``dcp_tmpfs`` (tmpfs is RAM; the disk page cache is
   not counted), and at least the full state for ``gather_bcast`` (rank 0 holds all of it at once).
   ``peak_rss_extra_bytes`` is the measured figure for every method.
+* ``direct`` only, from its memory run (per process, the busiest reported): ``peak_extra_bytes_measured`` (peak RSS
+  over RSS with the old state resident and the new one allocated but untouched), ``old_state_bytes``,
+  ``new_state_bytes``, ``largest_shard_bytes``, and ``memory_bound_bytes`` = max(old, new) + ``bucket_bytes`` +
+  largest shard - old, the growth the transfer promises; ``within_memory_bound`` holds on every process.
 
     .venv/bin/python tools/bench_migration.py --models llama_25m --out bench_results/migration.json
     .venv/bin/python tools/bench_migration.py --plot-only --out bench_results/migration.json  # or tools/plot_migration.py
@@ -43,15 +54,13 @@ Each record's fields:
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import gc
 import json
 import logging
 import math
 import os
 import re
 import shutil
+import statistics
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -74,9 +83,15 @@ from lightning_emig.migration.state import (
     spec_of,
     training_state,
 )
-from lightning_emig.migration.transfer import TransferOptions, max_single_row_bytes
+from lightning_emig.migration.transfer import (
+    TransferOptions,
+    local_bytes,
+    max_single_row_bytes,
+    memory_bound_bytes,
+)
 from lightning_emig.models.llama import Llama, get_model_config
 from lightning_emig.parallelize import materialize_empty, parallelize_model
+from lightning_emig.testing import memory
 from lightning_emig.testing.distributed import WorkerFailed, run_distributed
 
 DEFAULT_TRANSITIONS = "s4:t2s2,t2s2:r2s2,s4:s3,s3:s4"
@@ -237,30 +252,22 @@ def build_side(model_name: str, layout_mesh: LayoutMesh) -> Side:
 
 
 # ------------------------------------------------------------------------------------------------ memory
-def _status_kib(field_name: str) -> int:
-    text = Path("/proc/self/status").read_text()
-    return int(re.search(rf"{field_name}:\s+(\d+)", text).group(1))
-
-
-def _trim() -> None:
-    """Return freed heap memory to the OS, so RSS is live data (glibc keeps freed chunks below 32 MiB)."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def _reset_peak_rss() -> int:
-    """Reset the process's peak RSS to its current RSS (Linux ``clear_refs``); return the current RSS in bytes."""
-    _trim()
-    with contextlib.suppress(OSError):  # without it the peak covers the process's whole life so far
-        Path("/proc/self/clear_refs").write_text("5")
-    return _status_kib("VmRSS") * 1024
-
-
 def _release(side: Side) -> None:
     """Free a side's storage now (its tensors must not be read again)."""
     for tensor in side.tensors.values():
         local_of(tensor).untyped_storage().resize_(0)
+
+
+def _reallocate(side: Side) -> None:
+    """Give a released side fresh storage of its old size (allocated, not yet touched)."""
+    for tensor in side.tensors.values():
+        local = local_of(tensor)
+        if local.untyped_storage().nbytes() == 0:
+            local.untyped_storage().resize_(local.numel() * local.element_size())
+
+
+def _locals(side: Side | None) -> dict[str, torch.Tensor]:
+    return {k: local_of(t) for k, t in side.tensors.items()} if side is not None else {}
 
 
 # ------------------------------------------------------------------------------------------------ methods
@@ -280,7 +287,7 @@ class Ctx:
     repeats: int
 
 
-def _direct(ctx: Ctx) -> dict[str, Any]:
+def _direct(ctx: Ctx, release_old: bool = False) -> dict[str, Any]:
     t = ctx.transition
     identity = IdentityMap(
         tuple(
@@ -298,6 +305,7 @@ def _direct(ctx: Ctx) -> dict[str, Any]:
         identity=identity,
         pid=ctx.rank,
         transfer=TransferOptions(bucket_bytes=ctx.bucket_bytes),
+        release_old=release_old,
     )
     plan, stats = report.plan, report.stats
     return {
@@ -312,7 +320,38 @@ def _direct(ctx: Ctx) -> dict[str, Any]:
     }
 
 
+def _memory_run(ctx: Ctx) -> dict[str, Any]:
+    """One direct run as a live change does it: the old state freed as it leaves, the new state's storage fresh
+    (allocated, untouched) — measured as this process's peak RSS over its RSS just before."""
+    if ctx.new is not None:
+        _release(ctx.new)
+        _reallocate(ctx.new)
+    old, new = _locals(ctx.old), _locals(ctx.new)
+    facts = {
+        "old_state_bytes": local_bytes(old), "new_state_bytes": local_bytes(new),
+        "largest_shard_bytes": max((local_bytes({k: t}) for k, t in (*old.items(), *new.items())), default=0),
+        "memory_bound_bytes": memory_bound_bytes(old, new, ctx.bucket_bytes),
+    }
+    before = memory.reset_peak()
+    dist.barrier()
+    _direct(ctx, release_old=True)
+    dist.barrier()
+    facts["peak_extra_bytes_measured"] = memory.peak() - before
+    facts["bad"] = check_pattern(ctx.new, ctx.rank) if ctx.new is not None else None
+    if ctx.old is not None:  # the methods after this one read the old state again
+        _reallocate(ctx.old)
+        fill_pattern(ctx.old, ctx.rank)
+    return facts
+
+
 def _dcp(ctx: Ctx, directory: str) -> dict[str, Any]:
+    info = _dcp_save(ctx, directory)
+    loaded = _dcp_load(ctx, directory)
+    return {"phases": {**info["phases"], **loaded["phases"]}, "bytes_written": info["bytes_written"],
+            "bytes_read": loaded["bytes_read"]}
+
+
+def _dcp_save(ctx: Ctx, directory: str) -> dict[str, Any]:
     phases: dict[str, float] = {}
     if ctx.old is not None:
         start = time.perf_counter()
@@ -320,6 +359,12 @@ def _dcp(ctx: Ctx, directory: str) -> dict[str, Any]:
         dcp.save(ctx.old.tensors, storage_writer=writer, process_group=ctx.old_group)
         phases["save"] = time.perf_counter() - start
     dist.barrier()  # the checkpoint is complete before anyone loads (a restart would wait for it too)
+    written = sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file()) if ctx.rank == 0 else 0
+    return {"phases": phases, "bytes_written": written}
+
+
+def _dcp_load(ctx: Ctx, directory: str) -> dict[str, Any]:
+    phases: dict[str, float] = {}
     read = 0
     if ctx.new is not None:
         start = time.perf_counter()
@@ -329,9 +374,7 @@ def _dcp(ctx: Ctx, directory: str) -> dict[str, Any]:
             )
         phases["load"] = time.perf_counter() - start
         read = sum(_local_nbytes(t) for t in ctx.new.tensors.values())
-    dist.barrier()
-    written = sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file()) if ctx.rank == 0 else 0
-    return {"phases": phases, "bytes_written": written, "bytes_read": read}
+    return {"phases": phases, "bytes_read": read}
 
 
 def _gather_bcast(ctx: Ctx, catalog: list[tuple[str, tuple[int, ...], torch.dtype]]) -> dict[str, Any]:
@@ -396,13 +439,13 @@ def _link_limit(sends: dict[int, int], recvs: dict[int, int], repeats: int) -> l
 
 def _measure(fn: Any, *args: Any) -> dict[str, Any]:
     """Run ``fn`` barrier to barrier on every process; return this process's seconds, RSS growth and details."""
-    rss = _reset_peak_rss()
+    rss = memory.reset_peak()
     dist.barrier()
     start = time.perf_counter()
     info = fn(*args)
     dist.barrier()
     info["seconds"] = time.perf_counter() - start
-    info["rss_extra"] = _status_kib("VmHWM") * 1024 - rss
+    info["rss_extra"] = memory.peak() - rss
     return info
 
 
@@ -419,19 +462,27 @@ def _merge(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _run_method(ctx: Ctx, method: str, catalog: list, workdir: str) -> list[list[dict[str, Any]]]:
-    """Every run of ``method`` (direct: a warm-up, then ``repeats``), each as per-process details."""
+    """Every run of ``method`` (a warm-up, then ``repeats``), each as per-process details."""
     runs = []
-    for _ in range(1 + (ctx.repeats if method == "direct" else 0)):
+    for _ in range(1 + ctx.repeats):
         if ctx.new is not None:
             reset_nan(ctx.new)  # anything a method fails to write fails the check
         if method == "direct":
             info = _measure(_direct, ctx)
         elif method == "gather_bcast":
+            if runs and ctx.old is not None:  # the previous run freed the old state
+                _reallocate(ctx.old)
+                fill_pattern(ctx.old, ctx.rank)
             info = _measure(_gather_bcast, ctx, catalog)
         else:
             if ctx.rank == 0:
                 shutil.rmtree(workdir, ignore_errors=True)
-            info = _measure(_dcp, ctx, workdir)
+            if method == "dcp_load":
+                written = _dcp_save(ctx, workdir)
+                info = _measure(_dcp_load, ctx, workdir)
+                info["bytes_written"] = written["bytes_written"]
+            else:
+                info = _measure(_dcp, ctx, workdir)
             if ctx.rank == 0:
                 shutil.rmtree(workdir, ignore_errors=True)
         info["bad"] = check_pattern(ctx.new, ctx.rank) if ctx.new is not None else None
@@ -468,15 +519,16 @@ def _record(
 ) -> dict[str, Any]:
     """One JSON record from every run of a method (direct: the first run is the warm-up)."""
     merged = [_merge(r) for r in runs]
-    timed = range(1, len(runs)) if method == "direct" else range(len(runs))
-    best = min(timed, key=lambda i: merged[i]["seconds"])
-    per_rank = runs[best]
+    timed = sorted(range(1, len(runs)), key=lambda i: merged[i]["seconds"])
+    median = timed[(len(timed) - 1) // 2]  # the lower median: a run that happened, phases and all
+    per_rank = runs[median]
     bad = sorted({i["bad"] for r in runs for i in r if i["bad"]})
-    record = {"method": method, **merged[best], "samples": [merged[i]["seconds"] for i in timed]}
+    record = {"method": method, **merged[median], "samples": [merged[i]["seconds"] for i in range(1, len(runs))],
+              "cold_seconds": merged[0]["seconds"]}
+    record["seconds"] = statistics.median(record["samples"])
     record.update(bit_exact=not bad, mismatch=bad[:3])
     if method == "direct":
         record.update(
-            cold_seconds=merged[0]["seconds"],
             bytes_moved=sum(i["bytes_received"] for i in per_rank),
             bytes_copied=sum(i["bytes_copied"] for i in per_rank),
             peak_extra_bytes=max(i["peak_buffer_bytes"] for i in per_rank),
@@ -489,11 +541,21 @@ def _record(
         record["peak_extra_bytes"] = max(record["peak_rss_extra_bytes"], state_bytes)
     else:
         written = sum(i["bytes_written"] for i in per_rank)
-        record.update(bytes_moved=written + sum(i["bytes_read"] for i in per_rank), bytes_written=written)
+        read = sum(i["bytes_read"] for i in per_rank)
+        record.update(bytes_moved=read if method == "dcp_load" else written + read, bytes_written=written)
         record["peak_extra_bytes"] = record["peak_rss_extra_bytes"] + (
             written if method == "dcp_tmpfs" else 0
         )
     return record
+
+
+def _memory_record(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """The memory run's figures of the process that grew most, and whether every process kept the bound."""
+    busiest = max(per_rank, key=lambda r: r["peak_extra_bytes_measured"])
+    out = {k: v for k, v in busiest.items() if k != "bad"}
+    out["within_memory_bound"] = all(r["peak_extra_bytes_measured"] <= r["memory_bound_bytes"] for r in per_rank)
+    out["memory_run_bit_exact"] = not any(r["bad"] for r in per_rank)
+    return out
 
 
 def _bench_transition(
@@ -547,6 +609,8 @@ def _bench_transition(
         )
         runs = _run_method(ctx, method, catalog, workdir)
         record = {**common, **_record(method, runs, args["bucket_bytes"], common["state_bytes"])}
+        if method == "direct":
+            record.update(_memory_record(_all_gather(_memory_run(ctx))))
         if method.startswith("dcp"):
             record["directory"] = workdir
         if method == "direct":
@@ -558,10 +622,10 @@ def _bench_transition(
         phases = ", ".join(f"{k}={v:.3f}" for k, v in record["phases"].items())
         _log(rank, f"  {method:12s} {record['seconds']:8.3f}s exact={record['bit_exact']} {phases}")
     del ctx, old, new
-    _trim()
+    memory.trim()
     link = None
     if traffic is not None:  # the models are freed first: the raw buffers are as large as the traffic
-        link = max(_all_gather(min(_link_limit(*traffic, args["repeats"]))))
+        link = max(_all_gather(statistics.median(_link_limit(*traffic, args["repeats"]))))
         _log(rank, f"  {'link limit':12s} {link:8.3f}s")
     for record in records:
         record["link_limit_seconds"] = link
@@ -599,7 +663,7 @@ def main() -> None:
         "--world", type=int, default=4, help="processes (the largest world of any transition)"
     )
     parser.add_argument("--bucket-mb", type=float, default=256.0, help="direct migration's buffer budget")
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs of direct and of the link limit")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of every method and of the link limit")
     parser.add_argument("--disk-dir", default="/tmp", help="parent of the DCP directory on disk")
     parser.add_argument("--tmpfs-dir", default="/dev/shm", help="parent of the DCP directory on tmpfs")
     parser.add_argument(

@@ -1,9 +1,10 @@
 """Summary table and plot of ``tools/bench_migration.py``'s JSON records (no torch needed).
 
-The table gives, per model and transition, each method's seconds, the link limit, and the ratios the migration
-issue asks for: DCP disk / direct (b/a), DCP tmpfs / direct (c/a), gather + broadcast / direct (d/a), direct / link
-limit (a/link) and direct's point-to-point phase / link limit (p2p/lk). The plot is a log-scale bar chart of
-seconds per method per transition, one panel per model.
+The table gives, per model and transition, each method's median seconds, the link limit, and the ratios: DCP save +
+load on disk / direct (b/a), on tmpfs (c/a), DCP load only / direct (e/a), gather + broadcast / direct (d/a),
+direct / link limit (a/link) and direct's point-to-point phase / link limit (p2p/lk); then direct's measured peak
+memory growth against its bound (MiB). The plot is a log-scale bar chart of seconds per method per transition, one
+panel per model.
 
     .venv/bin/python tools/plot_migration.py bench_results/migration.json
 """
@@ -15,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-METHODS = ("direct", "dcp_disk", "dcp_tmpfs", "gather_bcast")
+METHODS = ("direct", "dcp_disk", "dcp_tmpfs", "dcp_load", "gather_bcast")
 
 
 def summary(records: list[dict[str, Any]]) -> str:
@@ -23,21 +24,25 @@ def summary(records: list[dict[str, Any]]) -> str:
     for r in records:
         rows.setdefault((r["model"], r["transition"]), {})[r["method"]] = r
     head = (
-        f"{'model':11s} {'transition':10s} {'direct':>8s} {'dcp_disk':>8s} {'dcp_tmpfs':>9s} {'gath_bc':>8s} "
-        f"{'link':>7s} | {'b/a':>6s} {'c/a':>6s} {'d/a':>6s} {'a/link':>6s} {'p2p/lk':>6s} {'exact':>5s}"
+        f"{'model':11s} {'transition':10s} {'direct':>7s} {'dcp_dsk':>7s} {'dcp_tmp':>7s} {'dcp_ld':>7s} "
+        f"{'gath_bc':>7s} {'link':>6s} | {'b/a':>5s} {'c/a':>5s} {'e/a':>5s} {'d/a':>5s} {'a/link':>6s} "
+        f"{'p2p/lk':>6s} | {'mem MiB':>7s} {'bound':>6s} {'exact':>5s}"
     )
     lines = [head, "-" * len(head)]
+    nan = float("nan")
     for (model, name), by in rows.items():
-        a = by.get("direct")
-        secs = {m: by[m]["seconds"] if m in by else float("nan") for m in METHODS}
-        link = next(iter(by.values()))["link_limit_seconds"] or float("nan")
+        a = by.get("direct", {})
+        secs = {m: by[m]["seconds"] if m in by else nan for m in METHODS}
+        link = next(iter(by.values()))["link_limit_seconds"] or nan
         base = secs["direct"]
-        p2p = a["phases"].get("p2p", float("nan")) if a else float("nan")
+        p2p = a.get("phases", {}).get("p2p", nan)
+        grown, bound = (a.get(k, nan) / 2**20 for k in ("peak_extra_bytes_measured", "memory_bound_bytes"))
         exact = all(r["bit_exact"] for r in by.values())
         lines.append(
-            f"{model:11s} {name:10s} {secs['direct']:8.3f} {secs['dcp_disk']:8.3f} {secs['dcp_tmpfs']:9.3f} "
-            f"{secs['gather_bcast']:8.3f} {link:7.3f} | {secs['dcp_disk'] / base:6.1f} {secs['dcp_tmpfs'] / base:6.1f} "
-            f"{secs['gather_bcast'] / base:6.1f} {base / link:6.2f} {p2p / link:6.2f} {str(exact):>5s}"
+            f"{model:11s} {name:10s} {base:7.3f} {secs['dcp_disk']:7.3f} {secs['dcp_tmpfs']:7.3f} "
+            f"{secs['dcp_load']:7.3f} {secs['gather_bcast']:7.3f} {link:6.3f} | {secs['dcp_disk'] / base:5.1f} "
+            f"{secs['dcp_tmpfs'] / base:5.1f} {secs['dcp_load'] / base:5.1f} {secs['gather_bcast'] / base:5.1f} "
+            f"{base / link:6.2f} {p2p / link:6.2f} | {grown:7.1f} {bound:6.1f} {str(exact):>5s}"
         )
     return "\n".join(lines)
 
