@@ -48,15 +48,16 @@ def _event(kind: str, step: int, old: tuple[int, dict], new: tuple[int, dict], *
     return record
 
 
-JOIN = _event("join", 60, (2, HSDP2), (3, FSDP3), mb=0.75, downtime=0.61,
-              seconds={"detect": 0.002, "group": 0.1, "build": 0.2, "transfer": 0.02, "first_step": 0.12})
+JOIN = {**_event("join", 60, (2, HSDP2), (3, FSDP3), mb=0.75, downtime=0.61,
+                 seconds={"detect": 0.002, "group": 0.1, "build": 0.2, "transfer": 0.02, "first_step": 0.12}),
+        "lost_seconds": 0.49}  # as events_with_lost_time annotates it
 PREEMPT = _event("preempt", 90, (3, FSDP3), (2, HSDP2), mb=0.5, downtime=0.42)
 REBUILT = _event("failure", 120, (2, HSDP2), (1, ONE), downtime=3.4, rolled_back=0,
                  seconds={"detect": 3.1, "agree": 0.01, "transfer": 0.02})
 ROLLED = _event("failure", 110, (2, FSDP2), (1, ONE), downtime=4.1, rolled_back=7,
                 seconds={"detect": 3.1, "agree": 0.01, "load": 0.3})
 RESTART_JOIN = {"event": "join", "path": "restart", "model": "tiny", "old_world": 2, "new_world": 3, "step": 20,
-                "steps_rolled_back": 6, "downtime_seconds": 9.15, "recovery_seconds": 9.9,
+                "steps_rolled_back": 6, "lost_seconds": 9.78, "downtime_seconds": 9.15, "recovery_seconds": 9.9,
                 "phases": {"stop_and_start": 3.0, "startup": 5.5, "load": 0.3, "first_step": 0.35},
                 "bytes_moved": 0, "run_dir": "/tmp/x/restart"}
 
@@ -73,11 +74,11 @@ def test_layouts_are_labelled_briefly(layout: dict, label: str) -> None:
 def test_each_event_is_one_row_that_says_how_the_job_recovered() -> None:
     rows = event_rows([JOIN, PREEMPT, REBUILT])
     assert rows == [
-        ("join", "60", "2 -> 3", "rep=2 shard=1 -> rep=1 shard=3", "0.75", "0.61", "0",
+        ("join", "60", "2 -> 3", "rep=2 shard=1 -> rep=1 shard=3", "0.75", "0.49", "0.61", "0",
          "live: state moved to the joiner"),
-        ("preempt", "90", "3 -> 2", "rep=1 shard=3 -> rep=2 shard=1", "0.50", "0.42", "0",
+        ("preempt", "90", "3 -> 2", "rep=1 shard=3 -> rep=2 shard=1", "0.50", "-", "0.42", "0",
          "live: the leaver handed off its state"),
-        ("failure", "120", "2 -> 1", "rep=2 shard=1 -> rep=1 shard=1", "0.00", "3.40", "0",
+        ("failure", "120", "2 -> 1", "rep=2 shard=1 -> rep=1 shard=1", "0.00", "-", "3.40", "0",
          "rebuilt from replicas, no step lost"),
     ]
 
@@ -85,8 +86,8 @@ def test_each_event_is_one_row_that_says_how_the_job_recovered() -> None:
 def test_a_rollback_says_how_many_steps_were_lost() -> None:
     assert is_rollback(ROLLED) and not is_rollback(REBUILT)
     (row,) = event_rows([ROLLED])
-    assert row[6] == "7"
-    assert row[7] == "ROLLED BACK to the step-110 checkpoint, 7 step(s) lost"
+    assert row[7] == "7"
+    assert row[8] == "ROLLED BACK to the step-110 checkpoint, 7 step(s) lost"
     # A rollback that lost no step (killed right at a checkpoint) is still a rollback: it read the checkpoint.
     assert is_rollback({**ROLLED, "steps_rolled_back": 0})
 
@@ -101,6 +102,8 @@ def test_the_live_join_is_compared_with_the_restart_path() -> None:
     assert comparison is not None
     assert comparison["worlds"] == "2 -> 3"
     assert comparison["downtime_ratio"] == pytest.approx(9.15 / 0.61)
+    assert comparison["lost_ratio"] == pytest.approx(9.78 / 0.49)
+    assert compare_join({**JOIN, "lost_seconds": None}, RESTART_JOIN)["lost_ratio"] is None
     assert comparison["restart_steps_rolled_back"] == 6
     assert compare_join(JOIN, None) is None and compare_join(None, RESTART_JOIN) is None
 

@@ -18,6 +18,7 @@ worker starts there directly, and the parameters and optimizer state move point 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from lightning_emig.testing.ledger import check_ledger
 from lightning_emig.testing.nodes import assert_agents_succeed, start_node, stop_agents, worst_loss_gap
 from lightning_emig.testing.nodes import log_tail as _log
 from lightning_emig.testing.nodes import wait_for as _wait_for
+from lightning_emig.training.lost_time import STEADY_STEPS, events_with_lost_time
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_STEPS = 150
@@ -115,6 +117,15 @@ def test_a_node_joins_live_training_without_restarting_the_survivor(tmp_path: Pa
     assert join["bytes_moved"] > 0
     assert 10 <= join["step"] < MAX_STEPS, "B joined too late to test training on the bigger world"
     assert not (run_dir / "checkpoints" / f"step{join['step']:06d}.ckpt").exists(), "the handoff wrote a checkpoint"
+    # The headline figure: rank 0 reported the join's lost time once the steady steps after it were done, and the
+    # run directory's events carry it (the same function reads both from step_times.jsonl).
+    (annotated,) = events_with_lost_time(run_dir)
+    assert annotated["steady_steps"] == STEADY_STEPS
+    assert annotated["lost_seconds"] < annotated["downtime_seconds"]
+    reported = re.search(r"join at step (\d+): (-?[\d.]+)s of training lost", (tmp_path / "a.log").read_text())
+    assert reported is not None, "rank 0 did not report the join's lost time"
+    assert int(reported.group(1)) == join["step"]
+    assert float(reported.group(2)) == pytest.approx(annotated["lost_seconds"], abs=0.01)
 
     ledger = check_ledger(run_dir)  # every sample of every step's global batch exactly once, across the join
     ledger.assert_exactly_once()

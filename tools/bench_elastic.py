@@ -16,16 +16,15 @@ For every model, event and round, the event is run twice, one path after the oth
   checkpoint (one ``restart`` event, 2 -> 2).
 
 Both paths checkpoint every ``--checkpoint-every`` steps (the restart path needs it; the live path pays the same
-steady-state cost). Each record:
+steady-state cost). Each record (:func:`lightning_emig.testing.join_downtime.event_record`):
 
-* ``downtime_seconds``: last optimizer step finished on the old world to first step finished on the new one
-  (from the event; ``downtime_from_step_times`` is the same span read from ``step_times.jsonl``, a cross-check);
-* ``phases``: the event's per-phase seconds;
-* ``recovery_seconds``: last step on the old world to the new world's first step *beyond* it (the restart path
-  recomputes ``steps_rolled_back`` steps first; for the live path it equals the downtime);
-* ``step_seconds_old`` / ``step_seconds_new``: median step time before and after (steady state);
-* ``overhead_seconds``: downtime minus one steady step on the new world (the downtime always holds one step's
-  compute; on 2 shared CPU cores a ``llama_25m`` step takes seconds, so this is the part the path adds).
+* ``lost_seconds``, the headline: last optimizer step finished on the old world to the first step *beyond it*
+  finished on the new one, minus one steady step on the new world (the median of the next up to three;
+  :mod:`lightning_emig.training.lost_time`). The restart path's recomputed ``steps_rolled_back`` count as lost;
+* ``downtime_seconds``: last step on the old world to first step finished on the new one (from the event;
+  ``downtime_from_step_times`` is the same span read from ``step_times.jsonl``, a cross-check);
+* ``recovery_seconds``: lost time plus the steady step; ``phases``: the event's per-phase seconds;
+* ``step_seconds_old`` / ``step_seconds_new``: median step time before and after (steady state).
 
     .venv/bin/python tools/bench_elastic.py --models tiny llama_125m --out bench_results/elastic.json
 
@@ -59,7 +58,8 @@ def parse_args() -> argparse.Namespace:
                    help="join: node B joins A (1 -> 2); failure: B's worker is SIGKILLed under HSDP (2 -> 1 live)")
     p.add_argument("--rounds", type=int, default=1, help="live then restart, this many times per model")
     p.add_argument("--join-after", type=int, default=5, help="B starts once A finished this many steps")
-    p.add_argument("--steps-after", type=int, default=3, help="steps on the new world before stopping")
+    p.add_argument("--steps-after", type=int, default=4,
+                   help="steps beyond the event before stopping (1 + the steady steps lost time is measured against)")
     p.add_argument("--checkpoint-every", type=int, default=5)
     p.add_argument("--global-batch-size", type=int, default=8)
     p.add_argument("--micro-batch-size", type=int, default=2)
@@ -101,9 +101,9 @@ def main() -> None:
                     record = run_event(args, event, model, path, work / f"{model}-{event}-{path}-{round_index}")
                     record["round"] = round_index
                     records.append(record)
-                    print(f"{model:10s} {event:8s} {path:8s} round {round_index}: downtime "
-                          f"{record['downtime_seconds']:.2f}s "
-                                f"recovery {record['recovery_seconds']:.2f}s rolled back {record['steps_rolled_back']} "
+                    print(f"{model:10s} {event:8s} {path:8s} round {round_index}: lost {record['lost_seconds']:.2f}s "
+                          f"(downtime {record['downtime_seconds']:.2f}s, steady step "
+                          f"{record['step_seconds_new']:.2f}s, rolled back {record['steps_rolled_back']}) "
                           f"phases " + ", ".join(f"{k} {v:.2f}" for k, v in record["phases"].items()), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()}, "records": records},
@@ -117,28 +117,28 @@ def main() -> None:
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Median over rounds per (model, event, path); prints and returns restart/live ratios keyed ``model`` (joins,
-    as before) and ``model/failure``."""
+    """Median over rounds per (model, event, path); prints and returns the restart/live ratios of lost time and of
+    downtime, keyed ``model`` (joins) and ``model/failure``."""
     ratios: dict[str, dict[str, float]] = {}
     for model, event in dict.fromkeys((r["model"], r["event"]) for r in records):
         same = [r for r in records if r["model"] == model and r["event"] == event]
         med = {
             path: {key: _median([r[key] for r in same if r["path"] == path])
-                   for key in ("downtime_seconds", "recovery_seconds", "overhead_seconds")}
+                   for key in ("lost_seconds", "downtime_seconds", "step_seconds_new")}
             for path in PATHS
         }
         key = model if event == "join" else f"{model}/{event}"
         ratios[key] = {
-            "live_downtime_seconds": med["live"]["downtime_seconds"],
-            "restart_downtime_seconds": med["restart"]["downtime_seconds"],
-            **{f"{name}_ratio": _ratio(med["restart"][f"{name}_seconds"], med["live"][f"{name}_seconds"])
-               for name in ("downtime", "recovery", "overhead")},
+            **{f"{path}_{name}": med[path][name] for path in PATHS for name in med[path]},
+            "lost_ratio": _ratio(med["restart"]["lost_seconds"], med["live"]["lost_seconds"]),
+            "downtime_ratio": _ratio(med["restart"]["downtime_seconds"], med["live"]["downtime_seconds"]),
         }
         r = ratios[key]
-        overhead = f"{r['overhead_ratio']:.1f}x" if r["overhead_ratio"] is not None else "n/a (too few steps after)"
-        print(f"{key}: downtime live {r['live_downtime_seconds']:.2f}s, restart {r['restart_downtime_seconds']:.2f}s"
-              f" -> restart/live {r['downtime_ratio']:.1f}x (to regain the old step: {r['recovery_ratio']:.1f}x;"
-              f" downtime minus one step: {overhead})")
+        lost = f"{r['lost_ratio']:.1f}x" if r["lost_ratio"] is not None else "n/a (no time lost live)"
+        print(f"{key}: time lost live {r['live_lost_seconds']:.2f}s, restart {r['restart_lost_seconds']:.2f}s -> "
+              f"restart/live {lost}; downtime live {r['live_downtime_seconds']:.2f}s, restart "
+              f"{r['restart_downtime_seconds']:.2f}s ({r['downtime_ratio']:.1f}x); steady step "
+              f"{r['live_step_seconds_new']:.2f}s")
     return ratios
 
 
@@ -148,7 +148,8 @@ def _median(values: list[float | None]) -> float | None:
 
 
 def _ratio(restart: float | None, live: float | None) -> float | None:
-    return restart / live if restart is not None and live else None
+    """restart / live; None where live lost nothing measurable (a ratio against noise is no figure)."""
+    return restart / live if restart is not None and live is not None and live > 0 else None
 
 
 if __name__ == "__main__":

@@ -30,9 +30,9 @@ from lightning_emig.demo.report import (
     write_plot,
 )
 from lightning_emig.demo.scenario import DemoFailed, DemoNodes, DemoSettings, run_scenario
-from lightning_emig.strategy.events import read_events
 from lightning_emig.testing.join_downtime import measure_join
 from lightning_emig.testing.nodes import log_tail
+from lightning_emig.training.lost_time import events_with_lost_time
 from lightning_emig.training.step_times import read_step_times
 
 
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                    "torchrun's stop-and-restart of every worker")
         try:
             restart = measure_join(out_dir / "restart", settings.train_args(max_steps=1_000_000), "restart",
-                                   model=settings.model, join_after=settings.steps_between, steps_after=3,
+                                   model=settings.model, join_after=settings.steps_between, steps_after=4,
                                    timeout_s=settings.stage_timeout_s, nodes_before=2)
             restart["workers_force_killed"] = forced_kills(p.read_text() for p in out_dir.glob("restart-*.log"))
             nodes.note(f"restart path: join at step {restart['step']}, downtime {restart['downtime_seconds']:.2f}s")
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _report(out_dir: Path, run_dir: Path, settings: DemoSettings, restart: dict[str, Any] | None,
             timeline: list[dict[str, Any]], wall_seconds: float) -> dict[str, Any]:
-    events = read_events(run_dir)
+    events = events_with_lost_time(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     by_step = {r["step"]: r["world"] for r in read_step_times(run_dir)}  # a recomputed step: its last world
     files = {"run dir": str(run_dir), "node logs": str(out_dir / "{a,b,c}.log"), "loss plot": str(out_dir / "loss.png"),

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-EVENT_COLUMNS = ("event", "step", "world", "layout", "MB moved", "downtime s", "rolled back", "recovery")
+EVENT_COLUMNS = ("event", "step", "world", "layout", "MB moved", "lost s", "downtime s", "rolled back", "recovery")
 """Columns of :func:`event_rows`."""
 
 FORCED_KILL_MARK = "forcefully exiting via 9"
@@ -64,13 +64,14 @@ def event_rows(events: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
     """One row of :data:`EVENT_COLUMNS` per event, as strings."""
     rows = []
     for e in events:
-        downtime = e.get("downtime_seconds")
+        downtime, lost = e.get("downtime_seconds"), e.get("lost_seconds")
         rows.append((
             e["kind"],
             str(e["step"]),
             f"{e['old_world']} -> {e['new_world']}",
             f"{layout_label(e['old_layout'])} -> {layout_label(e['new_layout'])}",
             f"{e['bytes_moved'] / 1e6:.2f}",
+            f"{lost:.2f}" if lost is not None else "-",
             f"{downtime:.2f}" if downtime is not None else "-",
             str(e.get("steps_rolled_back") or 0),
             recovery(e),
@@ -86,11 +87,16 @@ def phase_rows(events: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
 
 
 def compare_join(live: dict[str, Any] | None, restart: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The live join's downtime next to the restart path's for a join of the same worlds; ``None`` without both."""
+    """The live join's lost time and downtime next to the restart path's for a join of the same worlds; ``None``
+    without both (``lost_ratio`` None where either lost time is unknown or the live one is not above zero)."""
     if live is None or restart is None:
         return None
+    live_lost, restart_lost = live.get("lost_seconds"), restart.get("lost_seconds")
     return {
         "worlds": f"{live['old_world']} -> {live['new_world']}",
+        "live_lost_seconds": live_lost,
+        "restart_lost_seconds": restart_lost,
+        "lost_ratio": restart_lost / live_lost if live_lost and restart_lost is not None and live_lost > 0 else None,
         "live_downtime_seconds": live["downtime_seconds"],
         "restart_downtime_seconds": restart["downtime_seconds"],
         "downtime_ratio": restart["downtime_seconds"] / live["downtime_seconds"],
@@ -175,22 +181,23 @@ def write_plot(
 
     labels, seconds, colors = [], [], []
     for e in events:
-        if e.get("downtime_seconds") is not None:
+        if e.get("lost_seconds", e.get("downtime_seconds")) is not None:
             labels.append(f"{event_label(e)} @ {e['step']}")
-            seconds.append(e["downtime_seconds"])
+            seconds.append(e.get("lost_seconds", e["downtime_seconds"]))
             colors.append(KIND_COLORS.get(e["kind"], "gray"))
     if restart is not None:
         labels.append(f"join {restart['old_world']}->{restart['new_world']}\n(restart path)")
-        seconds.append(restart["downtime_seconds"])
+        seconds.append(restart.get("lost_seconds", restart["downtime_seconds"]))
         colors.append(KIND_COLORS["restart"])
     positions = list(range(len(labels)))[::-1]
     bars.barh(positions, seconds, color=colors)
     bars.set_yticks(positions, labels, fontsize=8)
     for y, s in zip(positions, seconds, strict=True):
         bars.annotate(f"{s:.2f} s", (s, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
-    bars.set_xlabel("downtime (s)")
-    bars.set_xlim(0, max(seconds, default=1.0) * 1.3)
-    bars.set_title("downtime: last step on the old world\nto first step on the new", fontsize=10)
+    bars.set_xlabel("time lost (s)")
+    bars.set_xlim(min(0.0, *seconds) * 1.3, max(seconds, default=1.0) * 1.3)
+    bars.set_title("time lost: last step on the old world to the first\nstep beyond it on the new, minus a steady "
+                   "step", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -231,7 +238,7 @@ def print_report(console: Any, record: dict[str, Any]) -> None:
     events = record["events"]
     table = Table(title="membership events (rep = dp_replicate, shard = dp_shard)", title_justify="left")
     for column in EVENT_COLUMNS:
-        table.add_column(column, justify="right" if column in ("step", "MB moved", "downtime s", "rolled back")
+        table.add_column(column, justify="right" if column in ("step", "MB moved", "lost s", "downtime s", "rolled back")
                          else "left", overflow="fold")
     for row in event_rows(events):
         table.add_row(*row, style="bold red" if row[0] == "failure" and "ROLLED" in row[-1] else None)
@@ -250,6 +257,11 @@ def print_report(console: Any, record: dict[str, Any]) -> None:
     comparison = record.get("join_comparison")
     if comparison is not None:
         c = comparison
+        if c["lost_ratio"] is not None:
+            console.print(
+                f"[bold]join {c['worlds']}:[/bold] time lost live {c['live_lost_seconds']:.2f} s, restart path "
+                f"{c['restart_lost_seconds']:.2f} s -> restart/live [bold]{c['lost_ratio']:.1f}x[/bold] (lost: last "
+                "step on the old world to the first step beyond it on the new, minus one steady step)")
         console.print(
             f"[bold]join {c['worlds']}:[/bold] live downtime {c['live_downtime_seconds']:.2f} s, restart path "
             f"{c['restart_downtime_seconds']:.2f} s -> restart/live [bold]{c['downtime_ratio']:.1f}x[/bold] "

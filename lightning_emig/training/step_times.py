@@ -5,6 +5,9 @@
 processes, so it spans every generation and every restart of a job: downtime of any membership change is
 "last line of the old world" to "first line of the new one", whichever path the change took.
 
+Once the steady steps after an event with downtime are done, rank 0 reports its lost time (see
+:mod:`lightning_emig.training.lost_time`): a console line and ``event/lost_seconds`` to every logger.
+
 After a restart-path resume (see :mod:`lightning_emig.strategy.resume`) it also records, at the first step on
 the new world, one ``restart`` event in ``events.jsonl``: the checkpoint step, the steps rolled back (done on the
 old world after that checkpoint, recomputed now), old and new world and layout, the downtime and its phases
@@ -25,16 +28,15 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_emig.strategy.boundary import at_step_boundary
+from lightning_emig.strategy.events import read_events
 from lightning_emig.strategy.reconfigure import ReconfigureEvent
 from lightning_emig.strategy.resume import process_start_wall
+from lightning_emig.training.lost_time import STEP_TIMES_FILE, lost_time
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 log = logging.getLogger(__name__)
-
-STEP_TIMES_FILE = "step_times.jsonl"
-
 
 def read_step_times(run_dir: Path) -> list[dict[str, Any]]:
     """Every complete line of ``step_times.jsonl`` (a process killed mid-write leaves a partial last line)."""
@@ -49,6 +51,10 @@ class StepTimeRecorder(Callback):
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
         self._previous: dict[str, Any] | None = None
+        self._events_seen = 0
+        """Events of this process's strategy already looked at for their lost time."""
+        self._awaiting: list[dict[str, Any]] = []
+        """Published events (lines of ``events.jsonl``) whose lost time is not known yet."""
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -86,6 +92,28 @@ class StepTimeRecorder(Callback):
             strategy.resumed_from = None
             if resumed.restart_reason is not None and self._previous is not None:
                 strategy._record_event(trainer, self._restart_event(strategy, resumed, now))  # noqa: SLF001
+        self._report_lost_time(trainer, strategy)
+
+    def _report_lost_time(self, trainer: pl.Trainer, strategy: Any) -> None:
+        events = getattr(strategy, "events", [])
+        if len(events) > self._events_seen:  # new events since the last step: their published lines
+            new = len(events) - self._events_seen
+            self._events_seen = len(events)
+            self._awaiting += [e for e in read_events(self.run_dir)[-new:] if e.get("downtime_seconds") is not None]
+        if not self._awaiting:
+            return
+        times = read_step_times(self.run_dir)
+        for event in list(self._awaiting):
+            lost = lost_time(event, times)
+            if lost is None:
+                continue
+            self._awaiting.remove(event)
+            log.warning("%s at step %d: %.2fs of training lost (%.2fs to pass step %d again, minus a steady step of "
+                        "%.2fs); downtime %.2fs", event["kind"], event["step"], lost.lost_seconds,
+                        lost.recovery_seconds, lost.last_old_step, lost.steady_step_seconds, event["downtime_seconds"])
+            for logger in trainer.loggers:
+                logger.log_metrics({"event/lost_seconds": lost.lost_seconds,
+                                    "event/recovery_seconds": lost.recovery_seconds}, step=trainer.global_step)
 
     def _restart_event(self, strategy: Any, resumed: Any, now: float) -> ReconfigureEvent:
         previous = self._previous

@@ -1,0 +1,92 @@
+"""Time lost to a change: the headline figure of every membership event, on either path.
+
+*Lost time* is what the job would have had back without the event: from the last optimizer step finished on the
+old world to the first step *beyond it* finished on the new one, minus one steady step on the new world (the
+training a step is anyway). On the live path the first step beyond is the first step after the change; on the
+restart path it comes after the rolled-back steps are recomputed, so those count as lost. *Downtime* (last step on
+the old world to the first step on the new, whatever its number) stays the second figure.
+
+Both are read from ``step_times.jsonl`` (one line per optimizer step, every generation and restart of the job)
+and the event's line of ``events.jsonl``: one pure function, :func:`lost_time`, used by the running job (rank 0
+reports each event's lost time once the steady steps after it are done), by :func:`events_with_lost_time` (a run
+directory's events annotated afterwards), ``make demo`` and ``tools/bench_elastic.py``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning_emig.strategy.events import read_events
+from lightning_emig.strategy.jsonl import read_complete_lines
+
+STEP_TIMES_FILE = "step_times.jsonl"
+#: Steps after the first step beyond the change whose median is "one steady step on the new world".
+STEADY_STEPS = 3
+#: The event's downtime is counted from the moment the old world's last step ended; that step's line in
+#: ``step_times.jsonl`` is written a few milliseconds later (the boundary's checks come first).
+_LINE_LAG_S = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class LostTime:
+    lost_seconds: float
+    """``recovery_seconds`` minus ``steady_step_seconds``."""
+    recovery_seconds: float
+    """Last step on the old world to the first step beyond it on the new one."""
+    steady_step_seconds: float
+    """Median of the step times right after that first step beyond (``steady_steps`` of them)."""
+    steady_steps: int
+    last_old_step: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def lost_time(event: dict[str, Any], times: list[dict[str, Any]], *, steady_steps: int = STEADY_STEPS,
+              partial: bool = False) -> LostTime | None:
+    """The lost time of ``event`` (a line of ``events.jsonl``) from the step times of its run.
+
+    None for an event without downtime (a layout change inside one world, an interrupted join), and until the
+    ``steady_steps`` steps after the first step beyond are done (with ``partial``: until one is).
+    """
+    if event.get("downtime_seconds") is None or "time" not in event:
+        return None
+    old_end = event["time"] - event["downtime_seconds"] + _LINE_LAG_S
+    old = [t for t in times if t["world"] == event["old_world"] and t["time"] <= old_end]
+    if not old:
+        return None
+    last_old = max(old, key=lambda t: t["time"])
+    later = [t for t in times if t["time"] > last_old["time"]]
+    beyond = next((i for i, t in enumerate(later) if t["step"] > last_old["step"]), None)
+    if beyond is None:
+        return None
+    run = [later[beyond]]
+    for record in later[beyond + 1:]:
+        if record["step"] != run[-1]["step"] + 1 or record["world"] != run[0]["world"]:
+            break  # another event: its own lost time
+        run.append(record)
+    gaps = [b["time"] - a["time"] for a, b in zip(run, run[1:], strict=False)][:steady_steps]
+    if not gaps or (len(gaps) < steady_steps and not partial):
+        return None
+    steady = statistics.median(gaps)
+    recovery = run[0]["time"] - last_old["time"]
+    return LostTime(lost_seconds=recovery - steady, recovery_seconds=recovery, steady_step_seconds=steady,
+                    steady_steps=len(gaps), last_old_step=int(last_old["step"]))
+
+
+def events_with_lost_time(run_dir: Path) -> list[dict[str, Any]]:
+    """Every event of ``run_dir`` with ``lost_seconds``, ``recovery_seconds`` and ``steady_step_seconds`` added
+    where the steps after it allow (fewer than :data:`STEADY_STEPS` steady steps are used when the run stopped
+    sooner)."""
+    times = read_complete_lines(run_dir / STEP_TIMES_FILE)
+    out = []
+    for event in read_events(run_dir):
+        lost = lost_time(event, times, partial=True)
+        out.append({**event, **(lost.as_dict() if lost is not None else {})})
+    return out
+
+
+__all__ = ["STEADY_STEPS", "LostTime", "events_with_lost_time", "lost_time"]

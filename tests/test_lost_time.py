@@ -1,0 +1,80 @@
+"""Lost time, the headline of every event, from step times alone (pure; synthetic records).
+
+Lost = last step finished on the old world to the first step *beyond it* finished on the new one, minus one steady
+step on the new world: on the live path that is the pause; on the restart path the recomputed steps count too.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lightning_emig.training.lost_time import STEADY_STEPS, events_with_lost_time, lost_time
+
+
+def _steps(start_step: int, start_time: float, count: int, step_s: float, world: int) -> list[dict]:
+    return [{"step": start_step + i, "time": start_time + i * step_s, "world": world, "pid": 1} for i in range(count)]
+
+
+def _event(kind: str, step: int, old: int, new: int, *, time: float, downtime: float, rolled_back: int = 0) -> dict:
+    return {"kind": kind, "step": step, "old_world": old, "new_world": new, "time": time, "downtime_seconds": downtime,
+            "steps_rolled_back": rolled_back, "seconds": {}}
+
+
+def test_a_live_join_loses_its_pause_not_its_first_step() -> None:
+    # world 1 at 1 s/step up to step 10 (t=9), pause of 0.7 s, then world 2 at 0.5 s/step from step 11
+    times = _steps(1, 0.0, 10, 1.0, 1) + _steps(11, 9.0 + 0.7 + 0.5, 5, 0.5, 2)
+    event = _event("join", 10, 1, 2, time=10.2 + 0.01, downtime=1.2)
+    lost = lost_time(event, times)
+    assert lost is not None
+    assert lost.last_old_step == 10
+    assert lost.recovery_seconds == pytest.approx(1.2)
+    assert lost.steady_step_seconds == pytest.approx(0.5)
+    assert lost.lost_seconds == pytest.approx(0.7)
+    assert lost.steady_steps == STEADY_STEPS
+
+
+def test_the_restart_path_loses_the_steps_it_recomputes() -> None:
+    # world 2 reached step 20 (t=19); restart 8 s later from the step-15 checkpoint; steps 16..20 done again
+    times = _steps(1, 0.0, 20, 1.0, 2) + _steps(16, 19.0 + 8.0 + 1.0, 10, 1.0, 3)
+    event = _event("restart", 15, 2, 3, time=28.0 + 0.02, downtime=9.0, rolled_back=5)
+    lost = lost_time(event, times)
+    assert lost is not None
+    # the first step beyond 20 is step 21, finished at 28 + 5 = 33: 14 s after step 20, minus a 1 s step
+    assert lost.recovery_seconds == pytest.approx(14.0)
+    assert lost.lost_seconds == pytest.approx(13.0)
+
+
+def test_unknown_until_the_steady_steps_are_done() -> None:
+    times = _steps(1, 0.0, 10, 1.0, 1) + _steps(11, 10.5, 2, 0.5, 2)  # one gap after the first step beyond
+    event = _event("join", 10, 1, 2, time=10.51, downtime=1.5)
+    assert lost_time(event, times) is None
+    partial = lost_time(event, times, partial=True)
+    assert partial is not None and partial.steady_steps == 1
+
+
+def test_the_next_event_ends_the_steady_steps() -> None:
+    # after the join (world 2) only two steps before a preemption (world 1): the steady step is theirs alone
+    times = _steps(1, 0.0, 5, 1.0, 1) + _steps(6, 5.0, 2, 0.5, 2) + _steps(8, 9.0, 3, 1.0, 1)
+    event = _event("join", 5, 1, 2, time=5.01, downtime=1.0)
+    lost = lost_time(event, times, partial=True)
+    assert lost is not None and lost.steady_steps == 1 and lost.steady_step_seconds == pytest.approx(0.5)
+
+
+def test_an_event_without_downtime_has_no_lost_time() -> None:
+    times = _steps(1, 0.0, 10, 1.0, 2)
+    assert lost_time({**_event("reconfigure", 5, 2, 2, time=5.0, downtime=0.0), "downtime_seconds": None},
+                     times) is None
+
+
+def test_a_run_directory_s_events_are_annotated(tmp_path: Path) -> None:
+    times = _steps(1, 0.0, 10, 1.0, 1) + _steps(11, 10.2, 5, 0.5, 2)
+    (tmp_path / "step_times.jsonl").write_text("".join(json.dumps(t) + "\n" for t in times))
+    events = [_event("join", 10, 1, 2, time=10.21, downtime=1.2),
+              {**_event("reconfigure", 12, 2, 2, time=11.0, downtime=0.0), "downtime_seconds": None}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    join, reconfigure = events_with_lost_time(tmp_path)
+    assert join["lost_seconds"] == pytest.approx(0.7)
+    assert "lost_seconds" not in reconfigure
