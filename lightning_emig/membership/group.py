@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from datetime import timedelta
@@ -30,6 +31,8 @@ from lightning_emig.launcher.generation import (
     GenerationError,
     GenerationInfo,
 )
+
+log = logging.getLogger(__name__)
 
 
 def under_launcher(env: Mapping[str, str] | None = None) -> bool:
@@ -96,6 +99,23 @@ def host_generation_store(host: str, timeout: timedelta) -> dist.TCPStore:
 
 def keep_hosted_store(generation: int, store: dist.TCPStore) -> None:
     _hosted_stores[generation] = store
+
+
+def open_generation_store(info: GenerationInfo, node_id: str, local_rank: int, timeout: timedelta) -> None:
+    """The holders' rank 0, right before it commits to ``info`` (a generation the agents published): if it is rank 0
+    there, bind the generation's store now. Joiners connect as soon as they read the commit, while the holders still
+    finish their fit; a client that finds no server retries with growing pauses, which made forming the group take
+    up to a second. Where the port cannot be bound now, the store is opened when the group forms, as before."""
+    if info.generation in _hosted_stores or info.members[0] != (node_id, local_rank):
+        return
+    try:
+        store = dist.TCPStore(info.master_addr, info.master_port, world_size=info.world_size, is_master=True,
+                              wait_for_workers=False, timeout=timeout)
+    except Exception as exc:  # noqa: BLE001 - an optimisation: the group forms the usual way
+        log.warning("could not open generation %d's store at %s:%d early (%s); it opens when the group forms",
+                    info.generation, info.master_addr, info.master_port, exc)
+        return
+    keep_hosted_store(info.generation, store)
 
 
 def form_generation_group(info: GenerationInfo, rank: int, backend: str, timeout: timedelta) -> None:

@@ -45,7 +45,7 @@ from lightning_emig.launcher.generation import (
 )
 from lightning_emig.launcher.heartbeat import HeartbeatWatch
 from lightning_emig.membership.admission import commit_generation, generation_to_join, joiners_ready
-from lightning_emig.membership.group import under_launcher
+from lightning_emig.membership.group import open_generation_store, under_launcher
 from lightning_emig.membership.handoff import LiveHandoff
 from lightning_emig.membership.preempt import drain_leavers, leaving_nodes
 from lightning_emig.migration.state import training_state
@@ -122,6 +122,8 @@ class RendezvousCallback(Callback):
         if latest <= strategy.generation:
             return
         if trainer.global_rank == 0:  # the agreed number is rank 0's: joiners waiting for admission read it
+            open_generation_store(read_generation(self._client, latest), os.environ[ENV_NODE_ID],
+                                  int(os.environ["LOCAL_RANK"]), strategy.timeout)
             commit_generation(self._client, latest)
         handoff = stash
         handoff.generation, handoff.phase_started = latest, time.perf_counter()
