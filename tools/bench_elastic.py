@@ -11,9 +11,13 @@ For every model, event and round, the event is run twice, one path after the oth
   workers start, load the newest checkpoint resharded for the new world and recompute the steps after it (one
   ``restart`` event with ``steps_rolled_back``).
 * ``failure``: A and B train as two HSDP replicas; after ``--join-after`` steps (and a complete checkpoint) B's
-  worker gets SIGKILL (:mod:`lightning_emig.testing.failure_downtime`). ``live``: A rebuilds from its own replica and
-  trains on alone (one ``failure`` event, 2 -> 1); ``restart``: torchrun restarts both workers from the newest
+  worker gets SIGKILL (:mod:`lightning_emig.testing.departure_downtime`). ``live``: A rebuilds from its own replica
+  and trains on alone (one ``failure`` event, 2 -> 1); ``restart``: torchrun restarts both workers from the newest
   checkpoint (one ``restart`` event, 2 -> 2).
+* ``preempt``: A and B train sharded (FSDP); after ``--join-after`` steps B's agent gets SIGTERM, a preemption
+  notice. ``live``: B hands its shards to A and exits (one ``preempt`` event, 2 -> 1); ``restart``: the notice is
+  torchrun's SIGTERM, and A rolls back alone to the newest checkpoint (a ``failure`` event, 2 -> 1; A's worker is
+  not restarted, so this baseline is cheaper than torchrun's).
 
 Both paths checkpoint every ``--checkpoint-every`` steps (the restart path needs it; the live path pays the same
 steady-state cost). Each record (:func:`lightning_emig.testing.join_downtime.event_record`):
@@ -45,17 +49,19 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from lightning_emig.testing.failure_downtime import measure_worker_failure  # noqa: E402
+from lightning_emig.testing.departure_downtime import measure_departure  # noqa: E402
 from lightning_emig.testing.join_downtime import PATHS, measure_join  # noqa: E402
 
-EVENTS = ("join", "failure")
+EVENTS = ("join", "preempt", "failure")
+DEPARTURES = {"preempt": "preemption", "failure": "worker_failure"}
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["tiny", "llama_25m"])
     p.add_argument("--events", nargs="+", default=list(EVENTS), choices=EVENTS,
-                   help="join: node B joins A (1 -> 2); failure: B's worker is SIGKILLed under HSDP (2 -> 1 live)")
+                   help="join: node B joins A (1 -> 2); preempt: B's agent gets a notice (2 -> 1); failure: B's "
+                        "worker is SIGKILLed under HSDP (2 -> 1 live)")
     p.add_argument("--rounds", type=int, default=1, help="live then restart, this many times per model")
     p.add_argument("--join-after", type=int, default=5, help="B starts once A finished this many steps")
     p.add_argument("--steps-after", type=int, default=4,
@@ -81,9 +87,9 @@ def train_args(args: argparse.Namespace, model: str) -> list[str]:
 
 def run_event(args: argparse.Namespace, event: str, model: str, path: str, run_dir: Path) -> dict[str, Any]:
     """One event on the given path; returns its record."""
-    if event == "failure":
-        return measure_worker_failure(run_dir, train_args(args, model), path, model=model,
-                                      fail_after=args.join_after, steps_after=args.steps_after, timeout_s=args.timeout)
+    if event in DEPARTURES:
+        return measure_departure(run_dir, train_args(args, model), path, how=DEPARTURES[event], model=model,
+                                 after=args.join_after, steps_after=args.steps_after, timeout_s=args.timeout)
     return measure_join(run_dir, train_args(args, model), path, model=model, join_after=args.join_after,
                         steps_after=args.steps_after, timeout_s=args.timeout)
 
@@ -101,9 +107,9 @@ def main() -> None:
                     record = run_event(args, event, model, path, work / f"{model}-{event}-{path}-{round_index}")
                     record["round"] = round_index
                     records.append(record)
-                    print(f"{model:10s} {event:8s} {path:8s} round {round_index}: lost {record['lost_seconds']:.2f}s "
+                    print(f"{model:10s} {event:8s} {path:8s} round {round_index}: lost {_seconds(record['lost_seconds'])} "
                           f"(downtime {record['downtime_seconds']:.2f}s, steady step "
-                          f"{record['step_seconds_new']:.2f}s, rolled back {record['steps_rolled_back']}) "
+                          f"{_seconds(record['step_seconds_new'])}, rolled back {record['steps_rolled_back']}) "
                           f"phases " + ", ".join(f"{k} {v:.2f}" for k, v in record["phases"].items()), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()}, "records": records},
@@ -134,12 +140,17 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             "downtime_ratio": _ratio(med["restart"]["downtime_seconds"], med["live"]["downtime_seconds"]),
         }
         r = ratios[key]
-        lost = f"{r['lost_ratio']:.1f}x" if r["lost_ratio"] is not None else "n/a (no time lost live)"
-        print(f"{key}: time lost live {r['live_lost_seconds']:.2f}s, restart {r['restart_lost_seconds']:.2f}s -> "
-              f"restart/live {lost}; downtime live {r['live_downtime_seconds']:.2f}s, restart "
+        lost = f"{r['lost_ratio']:.1f}x" if r["lost_ratio"] is not None else "n/a"
+        print(f"{key}: time lost live {_seconds(r['live_lost_seconds'])}, restart {_seconds(r['restart_lost_seconds'])}"
+              f" -> restart/live {lost}; downtime live {r['live_downtime_seconds']:.2f}s, restart "
               f"{r['restart_downtime_seconds']:.2f}s ({r['downtime_ratio']:.1f}x); steady step "
-              f"{r['live_step_seconds_new']:.2f}s")
+              f"{_seconds(r['live_step_seconds_new'])}")
     return ratios
+
+
+def _seconds(value: float | None) -> str:
+    """Seconds, or why there is no figure: the next event came right after the first step beyond this one."""
+    return f"{value:.2f}s" if value is not None else "n/a (no steady step before the next event)"
 
 
 def _median(values: list[float | None]) -> float | None:

@@ -17,7 +17,8 @@ hand their state to the survivors at the next step boundary and exit 0; the agen
 without closing it and without the exit barrier (the survivors' agents count only the nodes of the newest
 generation at theirs). A node with notice takes part in no further rendezvous round: nodes that join meanwhile
 form the next generation without it. A second SIGTERM, or a grace period that runs out, is torchrun's SIGTERM:
-workers are killed, and for the survivors it is an abrupt failure.
+workers are killed, and for the survivors it is an abrupt failure. Without live membership
+(``LIGHTNING_EMIG_LIVE_MEMBERSHIP=0``) every SIGTERM is torchrun's, and the preemption file is ignored.
 
 Abrupt failure of a worker (it died, or exited non-zero): with live membership the agent does not restart the
 whole job. It writes ``dead/<node_id>`` (the survivors' workers then need not wait for stale heartbeats), stops its
@@ -369,14 +370,16 @@ class MembershipAgent(LocalElasticAgent):
 
     # ------------------------------------------------------------------ announced preemption
     def _on_sigterm(self, signum: int, frame: Any) -> None:
-        if self._notice_at is not None:  # a second SIGTERM: torchrun's behaviour (workers are killed)
+        # A second SIGTERM, or any without live membership (the restart path): torchrun's behaviour, the workers
+        # are killed and the job restarts without this node from the newest checkpoint.
+        if self._notice_at is not None or not self.live_membership:
             raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
         if self.generation < 0:
             raise _LeaveJob("preemption notice before this node joined a generation")
         self._notice_at = time.monotonic()  # the store write happens in the monitor loop (not re-entrant here)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> Any:
-        if self._notice_at is None and self._preempt_file and os.path.exists(self._preempt_file):
+        if self._notice_at is None and self.live_membership and self._preempt_file and os.path.exists(self._preempt_file):
             self._notice_at = time.monotonic()
         if self._notice_at is not None:
             self._announce_leaving()

@@ -28,7 +28,7 @@ from lightning_emig.strategy.resume import newest_checkpoint
 from lightning_emig.testing.commands import kill_tree
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.nodes import log_tail, start_node, wait_for
-from lightning_emig.training.lost_time import lost_time
+from lightning_emig.training.lost_time import lost_time, recovery_span
 from lightning_emig.training.step_times import read_step_times
 
 PATHS: dict[str, dict[str, str]] = {"live": {}, "restart": {"LIGHTNING_EMIG_LIVE_MEMBERSHIP": "0"}}
@@ -99,11 +99,12 @@ def join_record(run_dir: Path, path: str, *, model: str, old_world: int = 1) -> 
 def event_record(run_dir: Path, name: str, path: str, event: dict[str, Any], *, model: str) -> dict[str, Any]:
     """One benchmark record of ``event`` (a line of ``events.jsonl``), its step times read from ``run_dir``."""
     times = read_step_times(run_dir)
-    lost = lost_time(event, times, partial=True)
-    if lost is None:
+    span = recovery_span(event, times)
+    if span is None:
         raise RuntimeError(f"no step beyond step {event['step']} after the {event['kind']} event in {run_dir}")
-    last_old = max((t for t in times if t["world"] == event["old_world"] and t["step"] == lost.last_old_step
-                    and t["time"] < event["time"]), key=lambda t: t["time"])
+    last_old, run = span
+    # None where the next event came right after the first step beyond (no steady step of the new world).
+    lost = lost_time(event, times, partial=True)
     old = [t for t in times if t["world"] == event["old_world"] and t["time"] <= last_old["time"]]
     new = [t for t in times if t["time"] > last_old["time"]]
     return {
@@ -114,15 +115,15 @@ def event_record(run_dir: Path, name: str, path: str, event: dict[str, Any], *, 
         "new_world": event["new_world"],
         "step": event["step"],
         "steps_rolled_back": event.get("steps_rolled_back") or 0,
-        "lost_seconds": lost.lost_seconds,
+        "lost_seconds": lost.lost_seconds if lost is not None else None,
         "downtime_seconds": event["downtime_seconds"],
         "downtime_from_step_times": new[0]["time"] - last_old["time"],
-        "recovery_seconds": lost.recovery_seconds,
+        "recovery_seconds": run[0]["time"] - last_old["time"],
         "phases": event["seconds"],
         "bytes_moved": event["bytes_moved"],
         "step_seconds_old": median_step_seconds(old),
-        "step_seconds_new": lost.steady_step_seconds,
-        "steady_steps": lost.steady_steps,
+        "step_seconds_new": lost.steady_step_seconds if lost is not None else None,
+        "steady_steps": lost.steady_steps if lost is not None else 0,
         "run_dir": str(run_dir),
     }
 

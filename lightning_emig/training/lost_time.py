@@ -50,8 +50,26 @@ def lost_time(event: dict[str, Any], times: list[dict[str, Any]], *, steady_step
     """The lost time of ``event`` (a line of ``events.jsonl``) from the step times of its run.
 
     None for an event without downtime (a layout change inside one world, an interrupted join), and until the
-    ``steady_steps`` steps after the first step beyond are done (with ``partial``: until one is).
+    ``steady_steps`` steps after the first step beyond are done (with ``partial``: until one is; never where the
+    next event came right after that first step: no steady step of that world exists).
     """
+    span = recovery_span(event, times)
+    if span is None:
+        return None
+    last_old, run = span
+    gaps = [b["time"] - a["time"] for a, b in zip(run, run[1:], strict=False)][:steady_steps]
+    if not gaps or (len(gaps) < steady_steps and not partial):
+        return None
+    steady = statistics.median(gaps)
+    recovery = run[0]["time"] - last_old["time"]
+    return LostTime(lost_seconds=recovery - steady, recovery_seconds=recovery, steady_step_seconds=steady,
+                    steady_steps=len(gaps), last_old_step=int(last_old["step"]))
+
+
+def recovery_span(event: dict[str, Any], times: list[dict[str, Any]]
+                  ) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    """``(the old world's last step, the run of consecutive steps on the new world from the first step beyond it)``
+    as records of ``step_times.jsonl``; None without downtime or before the first step beyond."""
     if event.get("downtime_seconds") is None or "time" not in event:
         return None
     old_end = event["time"] - event["downtime_seconds"] + _LINE_LAG_S
@@ -68,13 +86,7 @@ def lost_time(event: dict[str, Any], times: list[dict[str, Any]], *, steady_step
         if record["step"] != run[-1]["step"] + 1 or record["world"] != run[0]["world"]:
             break  # another event: its own lost time
         run.append(record)
-    gaps = [b["time"] - a["time"] for a, b in zip(run, run[1:], strict=False)][:steady_steps]
-    if not gaps or (len(gaps) < steady_steps and not partial):
-        return None
-    steady = statistics.median(gaps)
-    recovery = run[0]["time"] - last_old["time"]
-    return LostTime(lost_seconds=recovery - steady, recovery_seconds=recovery, steady_step_seconds=steady,
-                    steady_steps=len(gaps), last_old_step=int(last_old["step"]))
+    return last_old, run
 
 
 def events_with_lost_time(run_dir: Path) -> list[dict[str, Any]]:
@@ -89,4 +101,4 @@ def events_with_lost_time(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-__all__ = ["STEADY_STEPS", "LostTime", "events_with_lost_time", "lost_time"]
+__all__ = ["STEADY_STEPS", "LostTime", "events_with_lost_time", "lost_time", "recovery_span"]

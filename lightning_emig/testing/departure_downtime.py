@@ -1,0 +1,101 @@
+"""Downtime of node B leaving a job of two, abruptly or with notice, on the live path or torchrun's restart path.
+
+:func:`measure_departure` runs one job of two nodes on this host (:mod:`lightning_emig.testing.nodes`; A on
+127.0.0.2 hosts the rendezvous store, B on 127.0.0.3, one worker each). Once the world of two has finished
+``after`` steps and holds a complete checkpoint, B leaves; when training has gone ``steps_after`` steps beyond the
+event (plus what it recomputes) every agent is stopped. How B leaves:
+
+* ``worker_failure``: B's worker gets SIGKILL, under ``layout=hsdp`` (each node holds a whole replica).
+  ``live``: A's worker rebuilds everything from its own replica and trains on as a world of one (one ``failure``
+  event, 2 -> 1, nothing rolled back); B's agent then rejoins with a fresh worker (a later ``join``, not measured).
+  ``restart``: every worker is stopped and started again, loads the newest checkpoint and recomputes the steps
+  after it (one ``restart`` event, 2 -> 2);
+* ``preemption``: B's agent gets SIGTERM (the notice a cloud gives a preempted VM), under the default sharded
+  layout. ``live``: B's worker hands its shards over point to point and exits; A trains on alone (one ``preempt``
+  event, 2 -> 1). ``restart``: the notice is torchrun's SIGTERM (B's agent kills its worker and exits); A's worker
+  finds its peer gone and rolls back, in a world of one, to the newest checkpoint (one ``failure`` event, 2 -> 1,
+  with ``load`` and the steps since the checkpoint recomputed). A checkpoint-based recovery, cheaper than
+  torchrun's (which would also restart A's worker): the comparison is conservative.
+
+``restart`` is ``LIGHTNING_EMIG_LIVE_MEMBERSHIP=0``: torchrun's own behaviour.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from lightning_emig.strategy.events import read_events
+from lightning_emig.strategy.resume import newest_checkpoint
+from lightning_emig.testing.commands import descendants, is_alive, kill_tree
+from lightning_emig.testing.distributed import free_port
+from lightning_emig.testing.join_downtime import PATHS, event_record, last_step
+from lightning_emig.testing.nodes import log_tail, start_node, wait_for
+
+How = Literal["worker_failure", "preemption"]
+
+EVENT: dict[tuple[How, str], tuple[str, int, int]] = {
+    ("worker_failure", "live"): ("failure", 2, 1),
+    ("worker_failure", "restart"): ("restart", 2, 2),
+    ("preemption", "live"): ("preempt", 2, 1),
+    ("preemption", "restart"): ("failure", 2, 1),
+}
+"""(kind, old world, new world) of the event each path records for each way of leaving."""
+
+LAYOUT: dict[How, list[str]] = {"worker_failure": ["layout=hsdp"], "preemption": []}
+"""A live rebuild after a failure needs a replica; a drain moves shards, so the default sharded layout."""
+
+
+def measure_departure(
+    run_dir: Path, train_args: Sequence[str], path: str, *, how: How, model: str, after: int, steps_after: int,
+    timeout_s: float,
+) -> dict[str, Any]:
+    """Node B leaves ``how`` on ``path`` (``live`` or ``restart``); returns the event's record."""
+    port = free_port()
+    agents: dict[str, subprocess.Popen] = {}
+    for i, name in enumerate(("a", "b")):
+        agents[name] = start_node(
+            run_dir.parent, f"{run_dir.name}-{name}", local_addr=f"127.0.0.{i + 2}", port=port, run_dir=run_dir,
+            train_args=[*train_args, *LAYOUT[how]], nnodes="1:2", rdzv_id=run_dir.name,
+            rdzv_conf=f"is_host={str(i == 0).lower()}", env=PATHS[path], max_restarts=1,
+        )
+    kind = EVENT[how, path]
+
+    def alive(names: Sequence[str]) -> None:
+        if any(agents[n].poll() is not None for n in names):
+            raise RuntimeError("an agent exited:\n" + "\n".join(
+                log_tail(run_dir.parent, f"{run_dir.name}-{n}") for n in agents))
+
+    def ready() -> bool:
+        alive(list(agents))
+        return last_step(run_dir, 2) >= after and newest_checkpoint(run_dir / "checkpoints") is not None
+
+    def recovered() -> bool:
+        alive(["a"] if how == "preemption" else list(agents))  # a preempted agent exits
+        event = _event(run_dir, kind)
+        return event is not None and max(last_step(run_dir, w) for w in (1, 2)) >= (
+            event["step"] + (event.get("steps_rolled_back") or 0) + steps_after)
+
+    try:
+        wait_for(ready, timeout_s, f"the world of two did not reach step {after} with a checkpoint")
+        if how == "preemption":
+            agents["b"].send_signal(signal.SIGTERM)
+        else:
+            for pid in [p for p in descendants(agents["b"].pid) if is_alive(p)]:
+                os.kill(pid, signal.SIGKILL)
+        wait_for(recovered, timeout_s, f"no {kind[0]} event within {timeout_s:.0f}s")
+    finally:
+        for proc in agents.values():
+            kill_tree(proc.pid)
+            proc.wait(timeout=30)
+    event = _event(run_dir, kind)
+    assert event is not None
+    return event_record(run_dir, how, path, event, model=model)
+
+
+def _event(run_dir: Path, kind: tuple[str, int, int]) -> dict[str, Any] | None:
+    return next((e for e in read_events(run_dir) if (e["kind"], e["old_world"], e["new_world"]) == kind), None)
