@@ -18,7 +18,6 @@ them calls :func:`execute_change` with those, on every process of the group that
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -88,7 +87,6 @@ def execute_change(
 ) -> ChangeRecord:
     """Move ``old_state`` into ``new_state`` (see :func:`~lightning_emig.migration.engine.migrate` for the roles: a
     joiner has no old state, a leaver no new state) and return the change's record, on every process of ``group``."""
-    started = time.perf_counter()
     report = migrate(
         old_state=old_state, new_state=new_state, old_layout=old_layout, new_layout=new_layout, identity=identity,
         pid=pid, group=group, transfer=transfer, release_old=release_old,
@@ -97,7 +95,9 @@ def execute_change(
         kind=kind, step=step, old_layout=old_layout, new_layout=new_layout, old_world=identity.old_world,
         new_world=identity.new_world, bytes_moved=report.total_bytes_received,
         bytes_copied_locally=report.total_bytes_copied,
-        seconds={"transfer": time.perf_counter() - started},
+        # "plan": agreeing on the specs and planning (cached for a change seen before); "transfer": the rounds and
+        # the closing agreement.
+        seconds={"plan": report.seconds["agree"] + report.seconds["plan"], "transfer": report.seconds["transfer"]},
     )
 
 
