@@ -394,6 +394,8 @@ def test_failures_at_worlds_of_four_and_three_recover_live_or_roll_back(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.long  # its cases (a rollback where nothing else holds the shards, a rebuild from replicas) run in the
+# test above at other worlds, in tests/test_user_script.py and in the chaos run; 80 s of make test
 @pytest.mark.timeout(480)
 def test_failures_at_a_world_of_four_without_replicas_and_three_with_them(tmp_path: Path) -> None:
     """The other half of the table: three nodes with three replicas (``layout.dp_replicate=3``, which no world of
