@@ -31,7 +31,7 @@ from lightning_emig.strategy.boundary import at_step_boundary
 from lightning_emig.strategy.events import read_events
 from lightning_emig.strategy.reconfigure import ReconfigureEvent
 from lightning_emig.strategy.resume import process_start_wall
-from lightning_emig.training.lost_time import STEP_TIMES_FILE, lost_time
+from lightning_emig.training.lost_time import STEP_TIMES_FILE, lost_time, recovery_span
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -104,10 +104,15 @@ class StepTimeRecorder(Callback):
             return
         times = read_step_times(self.run_dir)
         for event in list(self._awaiting):
-            lost = lost_time(event, times)
-            if lost is None:
+            span = recovery_span(event, times)
+            # Another event ended the steady steps after this one: report what there is (or nothing), stop waiting.
+            cut_short = span is not None and span[1][-1] is not times[-1]
+            lost = lost_time(event, times, partial=cut_short)
+            if lost is None and not cut_short:
                 continue
             self._awaiting.remove(event)
+            if lost is None:
+                continue
             log.warning("%s at step %d: %.2fs of training lost (%.2fs to pass step %d again, minus a steady step of "
                         "%.2fs); downtime %.2fs", event["kind"], event["step"], lost.lost_seconds,
                         lost.recovery_seconds, lost.last_old_step, lost.steady_step_seconds, event["downtime_seconds"])
