@@ -42,7 +42,8 @@ Each record's fields:
   ``/proc/self/clear_refs``), plus the checkpoint's bytes for ``dcp_tmpfs`` (tmpfs is RAM; the disk page cache is
   not counted), and at least the full state for ``gather_bcast`` (rank 0 holds all of it at once).
   ``peak_rss_extra_bytes`` is the measured figure for every method.
-* ``direct`` only, from its memory run (per process, the busiest reported): ``peak_extra_bytes_measured`` (peak RSS
+* ``direct`` only, from its memory run (per process, the busiest reported; ``release_run_seconds`` is that run's
+  time, barrier to barrier, on this process): ``peak_extra_bytes_measured`` (peak RSS
   over RSS with the old state resident and the new one allocated but untouched), ``old_state_bytes``,
   ``new_state_bytes``, ``largest_shard_bytes``, and ``memory_bound_bytes`` = max(old, new) + ``bucket_bytes`` +
   largest shard - old, the growth the transfer promises; ``within_memory_bound`` holds on every process.
@@ -334,8 +335,10 @@ def _memory_run(ctx: Ctx) -> dict[str, Any]:
     }
     before = memory.reset_peak()
     dist.barrier()
+    start = time.perf_counter()
     _direct(ctx, release_old=True)
     dist.barrier()
+    facts["release_run_seconds"] = time.perf_counter() - start  # as timed runs, but freeing the old state
     facts["peak_extra_bytes_measured"] = memory.peak() - before
     facts["bad"] = check_pattern(ctx.new, ctx.rank) if ctx.new is not None else None
     if ctx.old is not None:  # the methods after this one read the old state again
