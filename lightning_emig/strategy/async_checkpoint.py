@@ -175,6 +175,12 @@ def _finish(flight: _InFlight, upload: Future[Any], meta: bytes | None, group: d
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
         complete = bool(flag.item())
     except BaseException as failure:  # noqa: BLE001 - the group broke (a peer died): the save is abandoned
+        if error is None:  # this rank wrote its part; a failure of the job (a peer died), not of the checkpoint
+            log.warning("checkpoint %s (step %s): the process group broke before every rank confirmed it (%s); it is "
+                        "resumed from only if its files are complete", flight.path, flight.step,
+                        str(failure).splitlines()[0][:200])
+            flight.done.set_result(False)
+            return
         error = error or failure
     if not complete:
         log.error("CHECKPOINT FAILED: writing %s (step %s) in the background failed%s; it stays incomplete and is "
