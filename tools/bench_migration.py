@@ -80,12 +80,14 @@ from lightning_emig.migration.planner import IdentityMap, ProcessInfo
 from lightning_emig.migration.state import (
     ShardingSpec,
     allocate_optimizer_state,
+    free_storage,
     local_of,
     spec_of,
     training_state,
 )
 from lightning_emig.migration.transfer import (
     TransferOptions,
+    largest_shard_bytes,
     local_bytes,
     max_single_row_bytes,
     memory_bound_bytes,
@@ -256,7 +258,7 @@ def build_side(model_name: str, layout_mesh: LayoutMesh) -> Side:
 def _release(side: Side) -> None:
     """Free a side's storage now (its tensors must not be read again)."""
     for tensor in side.tensors.values():
-        local_of(tensor).untyped_storage().resize_(0)
+        free_storage(local_of(tensor))
 
 
 def _reallocate(side: Side) -> None:
@@ -330,7 +332,7 @@ def _memory_run(ctx: Ctx) -> dict[str, Any]:
     old, new = _locals(ctx.old), _locals(ctx.new)
     facts = {
         "old_state_bytes": local_bytes(old), "new_state_bytes": local_bytes(new),
-        "largest_shard_bytes": max((local_bytes({k: t}) for k, t in (*old.items(), *new.items())), default=0),
+        "largest_shard_bytes": largest_shard_bytes(old, new),
         "memory_bound_bytes": memory_bound_bytes(old, new, ctx.bucket_bytes),
     }
     before = memory.reset_peak()

@@ -43,7 +43,7 @@ from lightning_emig.migration.planner import (
     TensorMigration,
     plan_for_rank,
 )
-from lightning_emig.migration.state import ShardingSpec, StateTensor
+from lightning_emig.migration.state import ShardingSpec, StateTensor, free_storage
 from lightning_emig.migration.transfer import TransferOptions, TransferStats, run_transfer
 
 
@@ -255,7 +255,7 @@ def _tensor_migrations(
 def _releaser(old_locals: dict[str, torch.Tensor]):  # noqa: ANN202 - a small closure
     def release(key: str) -> None:
         tensor = old_locals.pop(key, None)
-        if tensor is not None and tensor.numel() > 0:
-            tensor.untyped_storage().resize_(0)
+        if tensor is not None:
+            free_storage(tensor)
 
     return release

@@ -66,8 +66,14 @@ def release_storage(state: dict[str, StateTensor]) -> None:
     modules sit in reference cycles (FSDP's hooks) that only a full ``gc.collect()`` would free, at 0.3-0.4 s on a
     trained process; freeing the storage itself costs nothing and is the same on GPUs (no cached block lingers)."""
     for tensor in state.values():
-        if tensor.local.numel() > 0:
-            tensor.local.untyped_storage().resize_(0)
+        free_storage(tensor.local)
+
+
+def free_storage(tensor: torch.Tensor) -> None:
+    """Free ``tensor``'s storage now; its views read nothing afterwards (an empty tensor is left alone: its storage
+    may be shared and is no memory)."""
+    if tensor.numel() > 0:
+        tensor.untyped_storage().resize_(0)
 
 
 def spec_of(tensor: torch.Tensor) -> ShardingSpec:

@@ -230,11 +230,6 @@ def _crc(buffer: torch.Tensor) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ running
-def copy_local(plan: RankPlan, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> int:
-    """Every local copy of ``plan`` at once (the transfer spreads them over its rounds instead)."""
-    return _copy(plan.copies, old, new)
-
-
 def _copy(transfers: Iterable[Transfer], old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> int:
     copied = 0
     for t in transfers:
@@ -301,9 +296,14 @@ def run_transfer(
             stats.bytes_copied += local.run(_copy, transfers, old, new) or 0
         stats.seconds_copy += time.perf_counter() - copy_start
 
+    def free_host_memory() -> None:  # after a round's releases (see return_freed_host_memory)
+        if on_release is not None and device.type == "cpu":
+            return_freed_host_memory()
+
     mismatch: ChecksumMismatchError | None = None
     if not schedule:
         copy_round(0)
+        free_host_memory()
     for round_index, (sends, recvs) in enumerate(schedule):
         # After a mismatch keep running the remaining rounds: peers post them regardless, and raising now would
         # leave them blocked until the process group times out. Nothing received is trusted after a mismatch.
@@ -314,8 +314,7 @@ def run_transfer(
         mismatch = mismatch or error
         for key in last_read.get(round_index, ()):
             local.run(release, key)
-        if on_release is not None and device.type == "cpu":
-            return_freed_host_memory()
+        free_host_memory()
     stats.rounds = len(schedule)
     stats.seconds_transfer = time.perf_counter() - start
     if local.error is not None:
@@ -504,12 +503,16 @@ def local_bytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def largest_shard_bytes(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> int:
+    """Bytes of the largest single local tensor, old or new."""
+    return max((t.numel() * t.element_size() for t in (*old.values(), *new.values())), default=0)
+
+
 def memory_bound_bytes(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], bucket_bytes: int) -> int:
     """The most a process's memory may grow during a transfer with ``release_old`` over holding its old state:
     ``max(old, new) + bucket + the largest single shard - old`` (see the module's invariants). ``new`` is allocated
     but untouched when the transfer starts (pages cost nothing until written)."""
-    largest = max((t.numel() * t.element_size() for t in (*old.values(), *new.values())), default=0)
-    return max(local_bytes(old), local_bytes(new)) + bucket_bytes + largest - local_bytes(old)
+    return max(local_bytes(old), local_bytes(new)) + bucket_bytes + largest_shard_bytes(old, new) - local_bytes(old)
 
 
 def max_single_row_bytes(plan: RankPlan) -> int:
@@ -529,7 +532,7 @@ __all__ = [
     "TransferOptions",
     "TransferStats",
     "buckets_for_pair",
-    "copy_local",
+    "largest_shard_bytes",
     "local_bytes",
     "max_single_row_bytes",
     "memory_bound_bytes",

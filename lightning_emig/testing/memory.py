@@ -8,11 +8,11 @@ is ``torch.cuda.reset_peak_memory_stats`` / ``max_memory_allocated``; this modul
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import gc
 import re
 from pathlib import Path
+
+from lightning_emig.migration.transfer import return_freed_host_memory
 
 
 def _status_bytes(field: str) -> int:
@@ -34,10 +34,9 @@ def peak() -> int:
 
 
 def trim() -> None:
-    """Return freed heap memory to the OS, so RSS is live data (glibc keeps freed chunks below 32 MiB)."""
+    """Collect garbage and return freed heap memory to the OS, so RSS is live data."""
     gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return_freed_host_memory()
 
 
 def reset_peak() -> int:

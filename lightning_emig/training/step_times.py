@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
 def read_step_times(run_dir: Path) -> list[dict[str, Any]]:
     """Every complete line of ``step_times.jsonl`` (a process killed mid-write leaves a partial last line)."""
     from lightning_emig.strategy.jsonl import read_complete_lines
