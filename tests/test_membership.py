@@ -126,6 +126,9 @@ def test_a_node_joins_live_training_without_restarting_the_survivor(tmp_path: Pa
     assert reported is not None, "rank 0 did not report the join's lost time"
     assert int(reported.group(1)) == join["step"]
     assert float(reported.group(2)) == pytest.approx(annotated["lost_seconds"], abs=0.01)
+    # B faulted in A's published working set (rescaled to its share of the state) before it said it was ready.
+    warmed = re.search(r"warmed ([\d.]+) GB of host memory", (tmp_path / "b.log").read_text())
+    assert warmed is not None and float(warmed.group(1)) > 0, "the joiner did not warm its memory before joining"
 
     ledger = check_ledger(run_dir)  # every sample of every step's global batch exactly once, across the join
     ledger.assert_exactly_once()

@@ -84,6 +84,8 @@ ENV_AGENT_PID = "LIGHTNING_EMIG_AGENT_PID"
 
 LATEST_GENERATION_KEY = "latest_generation"
 ACTIVE_GENERATION_KEY = "active_generation"
+WORKING_SET_KEY = "host_working_set"
+"""The holders' rank 0's memory at a step boundary; a joiner warms its own from it (membership.admission)."""
 LEFT_OUT_EXIT_CODE = 75
 """A joiner's exit code when the state holders went on without it (``EX_TEMPFAIL``): its agent brings a fresh worker
 back in through a new round; no restart is spent (see :mod:`lightning_emig.membership.admission`)."""

@@ -14,6 +14,11 @@ Keys under the control prefix (see :mod:`lightning_emig.launcher.generation`):
   a worker with that local rank (a fresh process is not ready).
 * ``active_generation``: the generation the state holders form next (or are in). Only the holders' rank 0 writes it
   (the new rank 0 after a drain or a failure), before any holder forms that generation's group, and it only grows.
+* ``host_working_set``: the holders' rank 0's peak resident memory, its share of the training state and its world
+  size, refreshed at step boundaries (CPU training only). Before a joiner says it is ready it faults in as much heap
+  as it will need (:func:`memory_to_warm`), while the old world still trains: otherwise it faults its whole working
+  set in during the transfer and the first step on the new world, which every process waits for (measured at
+  ``llama_125m``: +4 to +6 s on a 7-10 s step).
 
 The rules:
 
@@ -30,6 +35,7 @@ The rules:
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -37,9 +43,11 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from lightning_emig.host_memory import available_bytes, peak_resident_bytes
 from lightning_emig.launcher.generation import (
     ACTIVE_GENERATION_KEY,
     LEFT_OUT_EXIT_CODE,
+    WORKING_SET_KEY,
     GenerationError,
     GenerationInfo,
     NodeEntry,
@@ -146,6 +154,27 @@ def publish_holders_generation(client: dist.Store, nodes: list[NodeEntry], host:
         keep_hosted_store(published, store)
         commit_generation(client, published)
     return published
+
+
+def publish_working_set(client: dist.Store, *, state_bytes: int, world: int) -> None:
+    """The holders' rank 0 at a step boundary: its peak memory so far and its share of the state (see the module
+    docstring); nothing where the peak is unknown."""
+    peak = peak_resident_bytes()
+    if peak is not None:
+        client.set(WORKING_SET_KEY, json.dumps({"peak_bytes": peak, "state_bytes": state_bytes, "world": world}))
+
+
+def memory_to_warm(client: dist.Store, world: int) -> int:
+    """The bytes a joiner into a world of ``world`` processes should fault in before it is ready: the holders' rank
+    0's peak, with its state share rescaled from its world to ``world`` (the rest, step buffers and activations, is
+    taken as is); at most half of the memory the machine has available. 0 when nothing was published."""
+    if not client.check([WORKING_SET_KEY]):
+        return 0
+    seen = json.loads(client.get(WORKING_SET_KEY))
+    state = int(seen["state_bytes"])
+    need = int(seen["peak_bytes"]) - state + state * int(seen["world"]) // max(world, 1)
+    available = available_bytes()
+    return max(0, min(need, available // 2 if available is not None else need))
 
 
 def commit_generation(client: dist.Store, generation: int) -> None:

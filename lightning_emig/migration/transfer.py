@@ -29,8 +29,6 @@ Invariants:
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import time
 import zlib
 from collections.abc import Callable, Iterable
@@ -40,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_emig.host_memory import return_freed_host_memory
 from lightning_emig.migration.geometry import ShardBox
 from lightning_emig.migration.planner import RankPlan, Transfer
 
@@ -296,14 +295,16 @@ def run_transfer(
             stats.bytes_copied += local.run(_copy, transfers, old, new) or 0
         stats.seconds_copy += time.perf_counter() - copy_start
 
-    def free_host_memory() -> None:  # after a round's releases (see return_freed_host_memory)
-        if on_release is not None and device.type == "cpu":
+    def free_host_memory(round_index: int, released: bool) -> None:
+        # Between rounds, pages of released shards go back to the OS before the next round's new ones come in (the
+        # bound on a change's peak). After the last round a trim cannot lower the peak: those pages stay in the heap
+        # for the next step, which would otherwise fault them in again.
+        if released and round_index < len(schedule) - 1 and device.type == "cpu":
             return_freed_host_memory()
 
     mismatch: ChecksumMismatchError | None = None
     if not schedule:
         copy_round(0)
-        free_host_memory()
     for round_index, (sends, recvs) in enumerate(schedule):
         # After a mismatch keep running the remaining rounds: peers post them regardless, and raising now would
         # leave them blocked until the process group times out. Nothing received is trusted after a mismatch.
@@ -312,9 +313,10 @@ def run_transfer(
             while_on_wire=lambda i=round_index: copy_round(i),
         )
         mismatch = mismatch or error
+        released = round_index == 0 and bool(last_read.get(-1)) or bool(last_read.get(round_index))
         for key in last_read.get(round_index, ()):
             local.run(release, key)
-        free_host_memory()
+        free_host_memory(round_index, released and on_release is not None)
     stats.rounds = len(schedule)
     stats.seconds_transfer = time.perf_counter() - start
     if local.error is not None:
@@ -322,25 +324,6 @@ def run_transfer(
     if mismatch is not None:
         raise mismatch
     return stats
-
-
-def return_freed_host_memory() -> None:
-    """Give the pages of freed host tensors back to the OS now (glibc ``malloc_trim``; a no-op elsewhere).
-
-    A model's shards are mostly a few MiB each, below glibc's dynamic mmap threshold: freeing one returns it to the
-    heap, not to the OS, so without this the process's memory would not shrink as old shards leave and the new
-    state's pages would come on top of them."""
-    libc = _libc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-@functools.cache
-def _libc() -> Any:
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
 
 
 class _FirstError:

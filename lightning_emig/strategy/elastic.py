@@ -35,6 +35,7 @@ from lightning_emig.data.adopt import USE_INSTEAD, DataLoaderNotElasticError, ad
 from lightning_emig.data.batching import BatchPlan
 from lightning_emig.data.loader import MicroBatchLoader
 from lightning_emig.data.stream import MicroBatchStream
+from lightning_emig.host_memory import keep_freed_host_memory, warm_host_memory
 from lightning_emig.launcher.generation import (
     ENV_AGENT_PID,
     ENV_GENERATION,
@@ -46,7 +47,7 @@ from lightning_emig.launcher.generation import (
 from lightning_emig.launcher.heartbeat import start_heartbeat
 from lightning_emig.launcher.orphans import die_with_parent
 from lightning_emig.layout import HybridLayout, LayoutMesh, build_mesh
-from lightning_emig.membership.admission import LeftOutError, await_admission
+from lightning_emig.membership.admission import LeftOutError, await_admission, memory_to_warm
 from lightning_emig.membership.failure import FailureSettings
 from lightning_emig.membership.group import (
     enter_generation,
@@ -294,6 +295,8 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             self._checkpoint_writer = AsyncCheckpointWriter(self.timeout)
         if under_launcher():
             die_with_parent(expected_parent=int(os.environ.get(ENV_AGENT_PID, os.getppid())))  # no orphan workers
+            if self.root_device.type == "cpu":
+                keep_freed_host_memory()  # each step reuses the last one's pages (see lightning_emig.host_memory)
             start_heartbeat(self.failure_settings.heartbeat_interval_s)
         self._form_generation_group()
         # Skip ModelParallelStrategy's 2-D mesh: ours is built from the layout.
@@ -351,6 +354,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         node_id, local_rank = os.environ[ENV_NODE_ID], int(os.environ["LOCAL_RANK"])
         joiner = self.live_join and self._incoming_handoff is None
         if joiner:
+            self._warm_before_joining(client)
             patience = self.timeout.total_seconds() + self.failure_settings.failure_timeout_s
             self.generation = await_admission(client, node_id, local_rank, started_in=self.generation,
                                               timeout_s=patience)
@@ -364,6 +368,17 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             # process holds nothing: it leaves, and its agent brings a fresh one in through a new round.
             log.exception("generation %d could not be formed: leaving as left out", self.generation)
             raise LeftOutError from None
+
+    def _warm_before_joining(self, client: Any) -> None:
+        """A joiner on the CPU faults in the memory it will need while the old world still trains (see
+        :mod:`~lightning_emig.membership.admission`), so neither the transfer nor the first step waits for it."""
+        if self.root_device.type != "cpu":
+            return
+        nbytes = memory_to_warm(client, read_generation(client, self.generation).world_size)
+        if nbytes:
+            seconds = warm_host_memory(nbytes)
+            log.info("warmed %.2f GB of host memory in %.2fs before joining (the old world trains meanwhile)",
+                     nbytes / 1e9, seconds)
 
     def install_mesh(self, layout_mesh: LayoutMesh, plan: BatchPlan) -> None:
         self._layout_mesh = layout_mesh

@@ -44,11 +44,17 @@ from lightning_emig.launcher.generation import (
     read_generation,
 )
 from lightning_emig.launcher.heartbeat import HeartbeatWatch
-from lightning_emig.membership.admission import commit_generation, generation_to_join, joiners_ready
+from lightning_emig.membership.admission import (
+    commit_generation,
+    generation_to_join,
+    joiners_ready,
+    publish_working_set,
+)
 from lightning_emig.membership.group import open_generation_store, under_launcher
 from lightning_emig.membership.handoff import LiveHandoff
 from lightning_emig.membership.preempt import drain_leavers, leaving_nodes
 from lightning_emig.migration.state import training_state
+from lightning_emig.migration.transfer import local_bytes
 from lightning_emig.strategy.boundary import at_step_boundary
 from lightning_emig.strategy.progress import show_migration
 
@@ -188,6 +194,7 @@ class RendezvousCallback(Callback):
         self._last_poll = now
         if self._client is None:
             self._client = control_client_from_env(timeout_s=self.store_timeout_s)
+        self._publish_working_set()
         leaving = set(leaving_nodes(self._client, current))
         newest = self._newest_ready(current, now)
         if leaving and newest > current and leaving & {n.node_id for n in read_generation(self._client, newest).nodes}:
@@ -196,6 +203,13 @@ class RendezvousCallback(Callback):
             # rejoin.)
             leaving = set()
         return newest, 1 if leaving else 0
+
+    def _publish_working_set(self) -> None:
+        """Rank 0 on the CPU: what a joiner should warm before it says ready (see membership.admission)."""
+        strategy: Any = self._strategy
+        if strategy.root_device.type == "cpu" and strategy.last_boundary is not None:
+            state = {key: tensor.local for key, tensor in strategy.last_boundary.state.items()}
+            publish_working_set(self._client, state_bytes=local_bytes(state), world=strategy.world_size)
 
     def _newest_ready(self, current: int, now: float) -> int:
         """Rank 0: the generation to go into (see :func:`~lightning_emig.membership.admission.generation_to_join`;

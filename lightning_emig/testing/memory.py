@@ -9,28 +9,25 @@ is ``torch.cuda.reset_peak_memory_stats`` / ``max_memory_allocated``; this modul
 from __future__ import annotations
 
 import gc
-import re
 from pathlib import Path
 
-from lightning_emig.migration.transfer import return_freed_host_memory
-
-
-def _status_bytes(field: str) -> int:
-    text = Path("/proc/self/status").read_text()
-    match = re.search(rf"{field}:\s+(\d+) kB", text)
-    if match is None:
-        raise RuntimeError(f"/proc/self/status has no {field} (not Linux?)")
-    return int(match.group(1)) * 1024
+from lightning_emig.host_memory import peak_resident_bytes, resident_bytes, return_freed_host_memory
 
 
 def rss() -> int:
     """Resident bytes now."""
-    return _status_bytes("VmRSS")
+    return _required(resident_bytes(), "VmRSS")
 
 
 def peak() -> int:
     """The most resident bytes since the last :func:`reset_peak` (or since the process started)."""
-    return _status_bytes("VmHWM")
+    return _required(peak_resident_bytes(), "VmHWM")
+
+
+def _required(value: int | None, field: str) -> int:
+    if value is None:
+        raise RuntimeError(f"/proc/self/status has no {field} (not Linux?)")
+    return value
 
 
 def trim() -> None:

@@ -1,0 +1,59 @@
+"""The host heap: warmed pages are kept and reused (real RSS, in a fresh interpreter: allocator settings are
+process-wide), and what a joiner warms follows what the holders' rank 0 published."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import pytest
+import torch.distributed as dist
+
+from lightning_emig import host_memory
+from lightning_emig.membership import admission
+from lightning_emig.testing.commands import run_command
+
+MiB = 1 << 20
+
+# Resident growth while a 256 MiB tensor is written, with or without 320 MiB warmed beforehand.
+_GROWTH = textwrap.dedent("""
+    import json, sys, torch
+    from lightning_emig import host_memory
+    if sys.argv[1] == "warm":
+        host_memory.warm_host_memory(320 << 20)
+    before = host_memory.resident_bytes()
+    state = torch.ones(64 << 20)  # 256 MiB, written
+    print(json.dumps({"growth": host_memory.resident_bytes() - before}))
+""")
+
+
+def _growth(mode: str) -> int:
+    result = run_command([sys.executable, "-c", _GROWTH, mode], timeout_s=120)
+    assert result.returncode == 0, result.stdout[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])["growth"]
+
+
+@pytest.mark.skipif(host_memory.resident_bytes() is None or not sys.platform.startswith("linux"),
+                    reason="needs /proc and glibc")
+def test_warmed_pages_are_reused_by_later_tensors() -> None:
+    cold, warm = _growth("cold"), _growth("warm")
+    assert cold > 200 * MiB, f"a cold process should fault the tensor in: grew {cold / MiB:.0f} MiB"
+    assert warm < 32 * MiB, f"the warmed heap should hold the tensor: grew {warm / MiB:.0f} MiB"
+
+
+def test_memory_to_warm_rescales_the_state_share() -> None:
+    store = dist.HashStore()
+    assert admission.memory_to_warm(store, 2) == 0  # nothing published: nothing to warm
+    admission.publish_working_set(store, state_bytes=600 * MiB, world=1)
+    published = json.loads(store.get(admission.WORKING_SET_KEY))
+    assert published["peak_bytes"] >= host_memory.resident_bytes() - 64 * MiB  # this process's peak, not a guess
+    # The state share goes from the whole state (world 1) to a third (world 3); the rest is kept as is.
+    assert admission.memory_to_warm(store, 1) - admission.memory_to_warm(store, 3) in (400 * MiB, 400 * MiB - 1)
+
+
+def test_memory_to_warm_leaves_half_the_available_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    store = dist.HashStore()
+    store.set(admission.WORKING_SET_KEY, json.dumps({"peak_bytes": 8 << 30, "state_bytes": 0, "world": 1}))
+    monkeypatch.setattr(admission, "available_bytes", lambda: 1 << 30)
+    assert admission.memory_to_warm(store, 2) == 512 * MiB
