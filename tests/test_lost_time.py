@@ -36,6 +36,15 @@ def test_a_live_join_loses_its_pause_not_its_first_step() -> None:
     assert lost.steady_steps == STEADY_STEPS
 
 
+def test_a_step_slowed_by_a_background_checkpoint_is_not_the_steady_step() -> None:
+    # world 2 at 0.5 s/step, but two of the three steps after the first beyond overlap a checkpoint write (0.9 s)
+    times = _steps(1, 0.0, 10, 1.0, 1) + [{"step": 11 + i, "time": t, "world": 2, "pid": 1}
+                                          for i, t in enumerate((10.2, 11.1, 12.0, 12.5))]
+    lost = lost_time(_event("join", 10, 1, 2, time=10.21, downtime=1.2), times)
+    assert lost is not None and lost.steady_step_seconds == pytest.approx(0.5)
+    assert lost.lost_seconds == pytest.approx(0.7)
+
+
 def test_the_restart_path_loses_the_steps_it_recomputes() -> None:
     # world 2 reached step 20 (t=19); restart 8 s later from the step-15 checkpoint; steps 16..20 done again
     times = _steps(1, 0.0, 20, 1.0, 2) + _steps(16, 19.0 + 8.0 + 1.0, 10, 1.0, 3)
