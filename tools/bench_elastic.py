@@ -23,12 +23,15 @@ Both paths checkpoint every ``--checkpoint-every`` steps (the restart path needs
 steady-state cost). Each record (:func:`lightning_emig.testing.join_downtime.event_record`):
 
 * ``lost_seconds``, the headline: last optimizer step finished on the old world to the first step *beyond it*
-  finished on the new one, minus one steady step on the new world (the median of the next up to three;
+  finished on the new one, minus one steady step on the new world (the fastest of the next up to three;
   :mod:`lightning_emig.training.lost_time`). The restart path's recomputed ``steps_rolled_back`` count as lost;
 * ``downtime_seconds``: last step on the old world to first step finished on the new one (from the event;
   ``downtime_from_step_times`` is the same span read from ``step_times.jsonl``, a cross-check);
 * ``recovery_seconds``: lost time plus the steady step; ``phases``: the event's per-phase seconds;
-* ``step_seconds_old`` / ``step_seconds_new``: median step time before and after (steady state).
+* ``step_seconds_old`` / ``step_seconds_new``: median step time before and after (steady state); for a join,
+  ``step_seconds_old`` ends when the joining node starts and ``step_seconds_preparing`` is the old world's median
+  step while the joiner starts and warms its memory (on this host the joiner shares the cores: on separate nodes
+  it would not).
 
     .venv/bin/python tools/bench_elastic.py --models tiny llama_125m --out bench_results/elastic.json
 
@@ -130,7 +133,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         same = [r for r in records if r["model"] == model and r["event"] == event]
         med = {
             path: {key: _median([r[key] for r in same if r["path"] == path])
-                   for key in ("lost_seconds", "downtime_seconds", "step_seconds_new")}
+                   for key in ("lost_seconds", "downtime_seconds", "step_seconds_new", "step_seconds_old",
+                               "step_seconds_preparing")}
             for path in PATHS
         }
         key = model if event == "join" else f"{model}/{event}"
@@ -144,8 +148,15 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         print(f"{key}: time lost live {_seconds(r['live_lost_seconds'])}, restart {_seconds(r['restart_lost_seconds'])}"
               f" -> restart/live {lost}; downtime live {r['live_downtime_seconds']:.2f}s, restart "
               f"{r['restart_downtime_seconds']:.2f}s ({r['downtime_ratio']:.1f}x); steady step "
-              f"{_seconds(r['live_step_seconds_new'])}")
+              f"{_seconds(r['live_step_seconds_new'])}{_slowdown(r)}")
     return ratios
+
+
+def _slowdown(r: dict[str, Any]) -> str:
+    before, preparing = r.get("live_step_seconds_old"), r.get("live_step_seconds_preparing")
+    if before is None or preparing is None:
+        return ""
+    return f"; old world's step while the joiner prepares {preparing:.2f}s vs {before:.2f}s ({preparing / before - 1:+.0%})"
 
 
 def _seconds(value: float | None) -> str:

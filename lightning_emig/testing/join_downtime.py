@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import statistics
 import subprocess
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -79,25 +80,31 @@ def measure_join(
         for i in range(nodes_before):
             start(i)
         wait_for(ready, timeout_s, f"the world of {nodes_before} did not reach step {join_after}")
+        joiner_started = time.time()
         start(nodes_before)
         wait_for(joined, timeout_s, f"no {kind} event within {timeout_s:.0f}s")
     finally:
         for proc in agents.values():
             kill_tree(proc.pid)
             proc.wait(timeout=30)
-    return join_record(run_dir, path, model=model, old_world=nodes_before)
+    return join_record(run_dir, path, model=model, old_world=nodes_before, joiner_started=joiner_started)
 
 
-def join_record(run_dir: Path, path: str, *, model: str, old_world: int = 1) -> dict[str, Any]:
+def join_record(run_dir: Path, path: str, *, model: str, old_world: int = 1,
+                joiner_started: float | None = None) -> dict[str, Any]:
     """The record of the join from ``old_world`` to ``old_world + 1`` processes in ``run_dir``."""
     event = _join_event(run_dir, EVENT_KIND[path], old_world)
     if event is None:
         raise RuntimeError(f"no {EVENT_KIND[path]} event from world {old_world} in {run_dir}")
-    return event_record(run_dir, "join", path, event, model=model)
+    return event_record(run_dir, "join", path, event, model=model, preparing_from=joiner_started)
 
 
-def event_record(run_dir: Path, name: str, path: str, event: dict[str, Any], *, model: str) -> dict[str, Any]:
-    """One benchmark record of ``event`` (a line of ``events.jsonl``), its step times read from ``run_dir``."""
+def event_record(run_dir: Path, name: str, path: str, event: dict[str, Any], *, model: str,
+                 preparing_from: float | None = None) -> dict[str, Any]:
+    """One benchmark record of ``event`` (a line of ``events.jsonl``), its step times read from ``run_dir``.
+
+    ``preparing_from`` (``time.time()``): when the change became known (a joiner's start); the old world's steps
+    from then to the change are its steps *while preparing*, compared with its steps before."""
     times = read_step_times(run_dir)
     span = recovery_span(event, times)
     if span is None:
@@ -107,6 +114,9 @@ def event_record(run_dir: Path, name: str, path: str, event: dict[str, Any], *, 
     lost = lost_time(event, times, partial=True)
     old = [t for t in times if t["world"] == event["old_world"] and t["time"] <= last_old["time"]]
     new = [t for t in times if t["time"] > last_old["time"]]
+    before = [t for t in old if preparing_from is None or t["time"] <= preparing_from]
+    # The step in flight when the change became known counts as a step while preparing.
+    preparing = old[len(before) - 1:] if preparing_from is not None and before else []
     return {
         "event": name,
         "path": path,
@@ -121,7 +131,8 @@ def event_record(run_dir: Path, name: str, path: str, event: dict[str, Any], *, 
         "recovery_seconds": run[0]["time"] - last_old["time"],
         "phases": event["seconds"],
         "bytes_moved": event["bytes_moved"],
-        "step_seconds_old": median_step_seconds(old),
+        "step_seconds_old": median_step_seconds(before),
+        "step_seconds_preparing": median_step_seconds(preparing),
         "step_seconds_new": lost.steady_step_seconds if lost is not None else None,
         "steady_steps": lost.steady_steps if lost is not None else 0,
         "run_dir": str(run_dir),
