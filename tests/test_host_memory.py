@@ -42,14 +42,23 @@ def test_warmed_pages_are_reused_by_later_tensors() -> None:
     assert warm < 32 * MiB, f"the warmed heap should hold the tensor: grew {warm / MiB:.0f} MiB"
 
 
-def test_memory_to_warm_rescales_the_state_share() -> None:
+def test_the_holders_publish_their_own_peak_and_state_share() -> None:
     store = dist.HashStore()
     assert admission.memory_to_warm(store, 2) == 0  # nothing published: nothing to warm
-    admission.publish_working_set(store, state_bytes=600 * MiB, world=1)
+    admission.publish_working_set(store, state_bytes=600 * MiB, world=2)
     published = json.loads(store.get(admission.WORKING_SET_KEY))
     assert published["peak_bytes"] >= host_memory.resident_bytes() - 64 * MiB  # this process's peak, not a guess
+    assert (published["state_bytes"], published["world"]) == (600 * MiB, 2)
+
+
+def test_memory_to_warm_rescales_the_state_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(admission, "resident_bytes", lambda: 0)  # a joiner holding nothing yet
+    monkeypatch.setattr(admission, "available_bytes", lambda: None)  # no cap from this machine's free memory
+    store = dist.HashStore()
+    store.set(admission.WORKING_SET_KEY, json.dumps({"peak_bytes": 2 << 30, "state_bytes": 600 * MiB, "world": 1}))
     # The state share goes from the whole state (world 1) to a third (world 3); the rest is kept as is.
-    assert admission.memory_to_warm(store, 1) - admission.memory_to_warm(store, 3) in (400 * MiB, 400 * MiB - 1)
+    assert admission.memory_to_warm(store, 1) == 2 << 30
+    assert admission.memory_to_warm(store, 3) == (2 << 30) - 400 * MiB
 
 
 def test_memory_to_warm_leaves_half_the_available_memory(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -57,3 +66,12 @@ def test_memory_to_warm_leaves_half_the_available_memory(monkeypatch: pytest.Mon
     store.set(admission.WORKING_SET_KEY, json.dumps({"peak_bytes": 8 << 30, "state_bytes": 0, "world": 1}))
     monkeypatch.setattr(admission, "available_bytes", lambda: 1 << 30)
     assert admission.memory_to_warm(store, 2) == 512 * MiB
+
+
+def test_a_joiner_warms_only_what_it_does_not_hold_already(monkeypatch: pytest.MonkeyPatch) -> None:
+    store = dist.HashStore()
+    store.set(admission.WORKING_SET_KEY, json.dumps({"peak_bytes": 900 * MiB, "state_bytes": 0, "world": 1}))
+    monkeypatch.setattr(admission, "resident_bytes", lambda: 600 * MiB)  # the interpreter, torch, the run's objects
+    assert admission.memory_to_warm(store, 2) == 300 * MiB
+    monkeypatch.setattr(admission, "resident_bytes", lambda: 1000 * MiB)
+    assert admission.memory_to_warm(store, 2) == 0

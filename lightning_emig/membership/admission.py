@@ -43,7 +43,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from lightning_emig.host_memory import available_bytes, peak_resident_bytes
+from lightning_emig.host_memory import available_bytes, peak_resident_bytes, resident_bytes
 from lightning_emig.launcher.generation import (
     ACTIVE_GENERATION_KEY,
     LEFT_OUT_EXIT_CODE,
@@ -167,12 +167,13 @@ def publish_working_set(client: dist.Store, *, state_bytes: int, world: int) -> 
 def memory_to_warm(client: dist.Store, world: int) -> int:
     """The bytes a joiner into a world of ``world`` processes should fault in before it is ready: the holders' rank
     0's peak, with its state share rescaled from its world to ``world`` (the rest, step buffers and activations, is
-    taken as is); at most half of the memory the machine has available. 0 when nothing was published."""
+    taken as is), less what this process already holds (the interpreter and its libraries, resident in both); at
+    most half of the memory the machine has available. 0 when nothing was published."""
     if not client.check([WORKING_SET_KEY]):
         return 0
     seen = json.loads(client.get(WORKING_SET_KEY))
     state = int(seen["state_bytes"])
-    need = int(seen["peak_bytes"]) - state + state * int(seen["world"]) // max(world, 1)
+    need = int(seen["peak_bytes"]) - state + state * int(seen["world"]) // max(world, 1) - (resident_bytes() or 0)
     available = available_bytes()
     return max(0, min(need, available // 2 if available is not None else need))
 

@@ -7,7 +7,8 @@ event (plus what it recomputes) every agent is stopped. How B leaves:
 
 * ``worker_failure``: B's worker gets SIGKILL, under ``layout=hsdp`` (each node holds a whole replica).
   ``live``: A's worker rebuilds everything from its own replica and trains on as a world of one (one ``failure``
-  event, 2 -> 1, nothing rolled back); B's agent then rejoins with a fresh worker (a later ``join``, not measured).
+  event, 2 -> 1, nothing rolled back); B's agent has no restart left, so B stays out and A's steps alone follow
+  (a fresh worker rejoining would be a ``join``, another event, and would leave no steady step of the world of one).
   ``restart``: every worker is stopped and started again, loads the newest checkpoint and recomputes the steps
   after it (one ``restart`` event, 2 -> 2);
 * ``preemption``: B's agent gets SIGTERM (the notice a cloud gives a preempted VM), under the default sharded
@@ -57,11 +58,15 @@ def measure_departure(
     """Node B leaves ``how`` on ``path`` (``live`` or ``restart``); returns the event's record."""
     port = free_port()
     agents: dict[str, subprocess.Popen] = {}
+    # torchrun's restart path restarts every worker (a restart each); live, B's node stays out after its worker died,
+    # so that A's steady steps alone follow the failure (B coming back would be a join, another event).
+    b_stays_out = (how, path) == ("worker_failure", "live")
     for i, name in enumerate(("a", "b")):
         agents[name] = start_node(
             run_dir.parent, f"{run_dir.name}-{name}", local_addr=f"127.0.0.{i + 2}", port=port, run_dir=run_dir,
             train_args=[*train_args, *LAYOUT[how]], nnodes="1:2", rdzv_id=run_dir.name,
-            rdzv_conf=f"is_host={str(i == 0).lower()}", env=PATHS[path], max_restarts=1,
+            rdzv_conf=f"is_host={str(i == 0).lower()}", env=PATHS[path],
+            max_restarts=0 if name == "b" and b_stays_out else 1,
         )
     kind = EVENT[how, path]
 
@@ -75,7 +80,7 @@ def measure_departure(
         return last_step(run_dir, 2) >= after and newest_checkpoint(run_dir / "checkpoints") is not None
 
     def recovered() -> bool:
-        alive(["a"] if how == "preemption" else list(agents))  # a preempted agent exits
+        alive(["a"] if how == "preemption" or b_stays_out else list(agents))  # B's agent exits then
         event = _event(run_dir, kind)
         return event is not None and max(last_step(run_dir, w) for w in (1, 2)) >= (
             event["step"] + (event.get("steps_rolled_back") or 0) + steps_after)
