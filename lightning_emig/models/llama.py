@@ -231,10 +231,14 @@ class Llama(nn.Module):
         seq = tokens.shape[1]
         if seq > self.config.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.config.max_seq_len}")
-        h = self.tok_embeddings(tokens)
+        # A pipeline stage without the embedding receives the previous stage's hidden states; one without the
+        # head returns its own (see keep_stage).
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         for block in self.layers.values():
             h = block(h, cos, sin)
+        if self.output is None:
+            return h
         return self.output(self.norm(h))
 
     # ------------------------------------------------------------ parallelism hooks
@@ -244,6 +248,26 @@ class Llama(nn.Module):
 
     def blocks(self) -> list[nn.Module]:
         return list(self.layers.values())
+
+    def stage_costs(self) -> tuple[list[int], int, int]:
+        """Parameters per block, of the embedding (first stage) and of the norm and head (last stage): what
+        :func:`~lightning_emig.parallelize.pipeline.split_stages` balances."""
+        def count(module: nn.Module) -> int:
+            return sum(p.numel() for p in module.parameters())
+
+        return [count(b) for b in self.layers.values()], count(self.tok_embeddings), count(self.norm) + count(
+            self.output)
+
+    def keep_stage(self, blocks: range, *, first: bool, last: bool) -> None:
+        """Keep only ``blocks`` (and the embedding if ``first``, the norm and head if ``last``), under their names."""
+        for name in list(self.layers):
+            if int(name) not in blocks:
+                del self.layers[name]
+        if not first:
+            self.tok_embeddings = None  # type: ignore[assignment]
+        if not last:
+            self.norm = None  # type: ignore[assignment]
+            self.output = None  # type: ignore[assignment]
 
     def tensor_parallel_plan(self) -> TensorParallelPlan:
         """Megatron-style TP with sequence parallelism (torchtitan's Llama plan).

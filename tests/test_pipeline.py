@@ -1,0 +1,139 @@
+"""Pipeline stages: the split rule, and a Llama cut into stages that ``torch.distributed.pipelining`` runs with the
+loss and gradients of the unpipelined model (2 processes, gloo, float64)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_emig.models.llama import Llama, causal_lm_loss, get_model_config
+from lightning_emig.parallelize.init import materialize_and_init
+from lightning_emig.parallelize.pipeline import keep_stage, split_stages, stage_ranges
+from lightning_emig.testing.distributed import run_distributed
+
+
+def test_equal_blocks_split_evenly() -> None:
+    assert split_stages([1] * 8, 4) == (range(0, 2), range(2, 4), range(4, 6), range(6, 8))
+    assert split_stages([5] * 3, 1) == (range(0, 3),)
+
+
+def test_the_embedding_and_the_head_weigh_on_the_end_stages() -> None:
+    # an embedding worth four blocks: the first stage takes four fewer (loads 7 and 7)
+    assert split_stages([1] * 10, 2, first_extra=4) == (range(0, 3), range(3, 10))
+    assert split_stages([1] * 10, 2, last_extra=4) == (range(0, 7), range(7, 10))
+    # a tie (loads 6 + 7 either way): the earlier stage takes fewer blocks
+    assert split_stages([1] * 10, 2, first_extra=3) == (range(0, 3), range(3, 10))
+
+
+def test_every_stage_holds_a_block_even_when_an_end_is_heavy() -> None:
+    stages = split_stages([1] * 4, 4, first_extra=100)
+    assert stages == (range(0, 1), range(1, 2), range(2, 3), range(3, 4))
+
+
+def test_the_split_minimizes_the_largest_stage() -> None:
+    costs = [4, 1, 1, 1, 1, 4, 2, 2]
+    assert [list(s) for s in split_stages(costs, 3)] == [[0, 1, 2], [3, 4, 5], [6, 7]]  # loads 6, 6, 4
+
+
+def _largest(costs: list[int], stops: tuple[int, ...], first: int, last: int) -> int:
+    starts = (0, *stops[:-1])
+    loads = [sum(costs[a:b]) for a, b in zip(starts, stops, strict=True)]
+    loads[0] += first
+    loads[-1] += last
+    return max(loads)
+
+
+def test_the_split_is_as_good_as_trying_every_split() -> None:
+    rng = random.Random(5)
+    for _ in range(200):
+        n, pp = rng.randint(1, 9), rng.randint(1, 4)
+        if pp > n:
+            continue
+        costs = [rng.randint(1, 9) for _ in range(n)]
+        first, last = rng.randint(0, 12), rng.randint(0, 12)
+        stages = split_stages(costs, pp, first_extra=first, last_extra=last)
+        assert [b for s in stages for b in s] == list(range(n)) and all(len(s) for s in stages)
+        best = min(_largest(costs, (*cut, n), first, last) for cut in itertools.combinations(range(1, n), pp - 1))
+        assert _largest(costs, tuple(s.stop for s in stages), first, last) == best
+
+
+def test_more_stages_than_blocks_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least one block"):
+        split_stages([1, 1], 3)
+
+
+def test_a_llama_is_split_by_its_parameter_counts() -> None:
+    with torch.device("meta"):
+        small_vocabulary = Llama(get_model_config("llama_125m"))
+        large_vocabulary = Llama(dataclasses.replace(get_model_config("llama_125m"), vocab_size=32000))
+    assert stage_ranges(small_vocabulary, 3) == (range(0, 5), range(5, 11), range(11, 16))
+    # a 24.6M-parameter embedding and head, about three blocks each: the end stages hold fewer blocks
+    first, middle, last = stage_ranges(large_vocabulary, 3)
+    assert len(first) < len(middle) and len(last) < len(middle) and last.stop == 16
+
+
+def test_a_stage_keeps_its_parameters_under_their_names() -> None:
+    with torch.device("meta"):
+        full = Llama(get_model_config("tiny"))
+        names = {n for n, _ in full.named_parameters()}
+        stages = [keep_stage(copy.deepcopy(full), 2, s) for s in range(2)]
+    held = [{n for n, _ in stage.named_parameters()} for stage in stages]
+    assert held[0] | held[1] == names and not held[0] & held[1]
+    assert any(n.startswith("tok_embeddings") for n in held[0]) and any(n.startswith("output") for n in held[1])
+
+
+MICRO_BATCHES = 4
+
+
+def _pipeline_worker(rank: int, world: int, schedule_name: str) -> dict[str, Any]:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    config = dataclasses.replace(get_model_config("tiny"), n_layers=4)
+    with torch.device("meta"):
+        model = Llama(config)
+    materialize_and_init(model, "cpu", seed=3)
+    model = model.double()
+    generator = torch.Generator().manual_seed(11)
+    data = torch.randint(0, config.vocab_size, (MICRO_BATCHES * 2, 33), generator=generator)
+    tokens, targets = data[:, :-1], data[:, 1:]
+
+    # The reference: the whole model, the loss averaged over the micro-batches.
+    reference = copy.deepcopy(model)
+    total = torch.zeros((), dtype=torch.float64)
+    for x, y in zip(tokens.chunk(MICRO_BATCHES), targets.chunk(MICRO_BATCHES), strict=True):
+        loss = causal_lm_loss(reference(x), y) / MICRO_BATCHES
+        loss.backward()
+        total += loss.detach()
+    expected = {n: p.grad for n, p in reference.named_parameters()}
+
+    stage_module = keep_stage(model, world, rank)
+    stage = PipelineStage(stage_module, rank, world, torch.device("cpu"))
+    schedule_type = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule_name]
+    schedule = schedule_type(stage, n_microbatches=MICRO_BATCHES, loss_fn=causal_lm_loss)  # grads scaled by 1/M
+    losses: list[torch.Tensor] = []
+    if rank == 0:
+        schedule.step(tokens)
+    else:
+        schedule.step(target=targets, losses=losses)
+    worst = max(float((p.grad - expected[n]).abs().max() / expected[n].abs().max().clamp_min(1e-30))
+                for n, p in stage_module.named_parameters())
+    loss = float(torch.stack(losses).mean()) if losses else None
+    return {"worst_grad_error": worst, "loss": loss, "expected_loss": float(total),
+            "params": sum(1 for _ in stage_module.parameters())}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("schedule_name", ["gpipe", "1f1b"])
+def test_two_stages_train_like_the_whole_model(schedule_name: str) -> None:
+    results = run_distributed(_pipeline_worker, 2, schedule_name, timeout_s=150)
+    for rank, r in enumerate(results):
+        assert r["params"] > 0
+        assert r["worst_grad_error"] < 1e-10, f"stage {rank}: gradients differ by {r['worst_grad_error']:.2e}"
+    last = results[-1]
+    assert last["loss"] == pytest.approx(last["expected_loss"], rel=1e-12)
