@@ -313,7 +313,7 @@ def run_transfer(
             while_on_wire=lambda i=round_index: copy_round(i),
         )
         mismatch = mismatch or error
-        released = round_index == 0 and bool(last_read.get(-1)) or bool(last_read.get(round_index))
+        released = bool(last_read.get(round_index)) or (round_index == 0 and bool(last_read.get(-1)))
         for key in last_read.get(round_index, ()):
             local.run(release, key)
         free_host_memory(round_index, released and on_release is not None)
