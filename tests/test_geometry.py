@@ -32,7 +32,7 @@ from lightning_emig.migration.geometry import (
     shard_boxes,
     shard_holdings,
 )
-from lightning_emig.migration.stages import stage_layer_ranges, stage_of
+from lightning_emig.migration.stages import split_stages, stage_of
 from lightning_emig.testing.distributed import run_distributed
 
 
@@ -259,18 +259,19 @@ def test_fsdp_over_tp_on_layout_axes_and_stages() -> None:
 
 
 def test_stage_ownership_by_name() -> None:
-    assert stage_layer_ranges(5, 2) == (range(0, 3), range(3, 5))
-    assert stage_layer_ranges(4, 4) == tuple(range(i, i + 1) for i in range(4))
-    assert stage_of("layers.2.attention.wq.weight", 2, 5) == 0
-    assert stage_of("model.layers.3.feed_forward.w1.weight", 2, 5) == 1
-    assert stage_of("state.layers.4.attention_norm.weight.exp_avg", 2, 5) == 1
-    assert stage_of("tok_embeddings.weight", 2, 5) == 0
-    assert stage_of("output.weight", 2, 5) == 1 and stage_of("norm.weight", 2, 5) == 1
-    assert stage_of("rope.freqs", 3, 5, extra_owner={"rope": 0}) == 0
+    five = split_stages([1] * 5, 2)  # the project's one split rule; equal blocks: the later stage takes the extra one
+    assert five == (range(0, 2), range(2, 5))
+    assert split_stages([1] * 4, 4) == tuple(range(i, i + 1) for i in range(4))
+    assert stage_of("layers.1.attention.wq.weight", five) == 0
+    assert stage_of("model.layers.2.feed_forward.w1.weight", five) == 1
+    assert stage_of("state.layers.4.attention_norm.weight.exp_avg", five) == 1
+    assert stage_of("tok_embeddings.weight", five) == 0
+    assert stage_of("output.weight", five) == 1 and stage_of("norm.weight", five) == 1
+    assert stage_of("rope.freqs", split_stages([1] * 5, 3), extra_owner={"rope": 0}) == 0
     with pytest.raises(GeometryError, match="names layer 7 but the model has 5 layers"):
-        stage_of("layers.7.w", 2, 5)
+        stage_of("layers.7.w", five)
     with pytest.raises(GeometryError, match="cannot split 2 layers into 3"):
-        stage_layer_ranges(2, 3)
+        split_stages([1, 1], 3)
 
 
 # -------------------------------------------------------------------------------------------- properties

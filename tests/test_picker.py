@@ -33,7 +33,7 @@ from lightning_emig.picker import (
     pick_layout,
     save_profile,
 )
-from lightning_emig.picker.migration_cost import MIGRATED_BYTES_PER_ELEMENT, sharding_of
+from lightning_emig.picker.migration_cost import MIGRATED_BYTES_PER_ELEMENT, sharding_of, stage_ranges
 from lightning_emig.picker.shapes import param_counts, param_tensors
 from lightning_emig.picker.throughput import flops_per_token
 
@@ -130,8 +130,9 @@ def test_migration_estimate_equals_the_planners_plan() -> None:
     config = MODEL_SIZES["tiny"]
     for old, new in [(layout(1, 2, 2), layout(1, 3, 1)), (layout(1, 4, 1), layout(2, 2, 2)), (layout(1, 1, 2),
                                                                                                  layout(1, 5, 1))]:
-        tensors = [TensorMigration(t.name, MIGRATED_BYTES_PER_ELEMENT, sharding_of(t, old, config.n_layers),
-                                   sharding_of(t, new, config.n_layers)) for t in param_tensors(config)]
+        ranges = {lay: stage_ranges(config, lay.pp) for lay in (old, new)}
+        tensors = [TensorMigration(t.name, MIGRATED_BYTES_PER_ELEMENT, sharding_of(t, old, ranges[old]),
+                                   sharding_of(t, new, ranges[new])) for t in param_tensors(config)]
         joiners = list(range(old.world_size, max(old.world_size, new.world_size)))
         identity = assign_new_ranks(tensors, old_world=old.world_size, new_world=new.world_size,
                                     survivors={r: r for r in range(old.world_size)}, joiners=joiners).identity

@@ -1,4 +1,4 @@
-"""Pipeline stages: the split rule, and a Llama cut into stages that ``torch.distributed.pipelining`` runs with the
+"""Pipeline stages: the project's one split rule, and a Llama cut into stages that ``torch.distributed.pipelining`` runs with the
 loss and gradients of the unpipelined model (2 processes, gloo, float64)."""
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_emig.migration.stages import split_stages
 from lightning_emig.models.llama import Llama, causal_lm_loss, get_model_config
 from lightning_emig.parallelize.init import materialize_and_init
-from lightning_emig.parallelize.pipeline import keep_stage, split_stages, stage_ranges
+from lightning_emig.parallelize.pipeline import keep_stage, stage_ranges
 from lightning_emig.testing.distributed import run_distributed
 
 
@@ -64,7 +65,7 @@ def test_the_split_is_as_good_as_trying_every_split() -> None:
 
 
 def test_more_stages_than_blocks_is_refused() -> None:
-    with pytest.raises(ValueError, match="at least one block"):
+    with pytest.raises(ValueError, match="each stage needs at least one"):
         split_stages([1, 1], 3)
 
 

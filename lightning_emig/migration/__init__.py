@@ -35,7 +35,7 @@ from lightning_emig.migration.planner import (
     plan_all,
     plan_for_rank,
 )
-from lightning_emig.migration.stages import stage_layer_ranges, stage_of
+from lightning_emig.migration.stages import split_stages, stage_of, stage_ranges_by_name
 
 __all__ = [
     "GeometryError",
@@ -63,6 +63,7 @@ __all__ = [
     "rank_to_coordinate",
     "shard_boxes",
     "shard_holdings",
-    "stage_layer_ranges",
+    "split_stages",
     "stage_of",
+    "stage_ranges_by_name",
 ]

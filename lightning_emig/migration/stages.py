@@ -1,53 +1,109 @@
-"""Pipeline-stage ownership of whole parameters, by name (pure).
+"""Pipeline stages, by name (pure): which blocks each stage holds and which stage owns a tensor.
 
-Blocks are split into contiguous runs per stage (the first ``n_layers % pp`` stages take one more); a name
-containing ``layers.<i>.`` belongs to block ``i``'s stage, embeddings to stage 0, everything else to the last.
+The one split rule of the project (the model builder, :mod:`lightning_emig.parallelize.pipeline`, the migration
+geometry and the picker's cost model all use it): a decoder's blocks go to ``pp`` contiguous runs, each stage
+holding at least one block, so that the largest stage's parameter count is as small as it can be; the embedding
+counts on the first stage and everything outside the blocks and the embedding (final norm, output head) on the last.
+Among equally good splits the earlier stages take fewer blocks (under 1F1B the first stage keeps the most
+micro-batches' activations in flight). With a small vocabulary this is the even split; a large one gives the end
+stages fewer blocks.
+
+Names: ``layers.<i>.`` anywhere in a name puts it in block ``i``; a component in ``first_stage`` (the embedding)
+puts it on stage 0; everything else goes to the last stage.
 """
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from lightning_emig.migration.boxes import GeometryError
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+FIRST_STAGE_NAMES = ("tok_embeddings", "embed_tokens", "embeddings")
 
 
-def stage_layer_ranges(n_layers: int, pp: int) -> tuple[range, ...]:
-    """Contiguous blocks of layers per pipeline stage; the first ``n_layers % pp`` stages get one extra."""
-    if pp < 1 or n_layers < pp:
-        raise GeometryError(f"cannot split {n_layers} layers into {pp} pipeline stages")
-    base, extra = divmod(n_layers, pp)
-    ranges, start = [], 0
-    for stage in range(pp):
-        stop = start + base + (1 if stage < extra else 0)
-        ranges.append(range(start, stop))
-        start = stop
-    return tuple(ranges)
+def split_stages(block_costs: Sequence[int], pp: int, *, first_extra: int = 0,
+                 last_extra: int = 0) -> tuple[range, ...]:
+    """``pp`` contiguous, non-empty runs of block indices covering every block, minimizing the largest stage's cost
+    (its blocks' costs, plus ``first_extra`` on the first stage and ``last_extra`` on the last); ties: the earlier
+    stages take fewer blocks."""
+    n = len(block_costs)
+    if not 1 <= pp <= n:
+        raise GeometryError(f"cannot split {n} layers into {pp} pipeline stages (each stage needs at least one)")
+    prefix = [0]
+    for cost in block_costs:
+        prefix.append(prefix[-1] + int(cost))
+
+    def stage_cost(stage: int, start: int, stop: int) -> int:
+        return (prefix[stop] - prefix[start] + (first_extra if stage == 0 else 0)
+                + (last_extra if stage == pp - 1 else 0))
+
+    @functools.cache
+    def best(stage: int, start: int) -> tuple[int, tuple[int, ...]]:
+        """(largest cost, stop of every stage) for stages ``stage..pp-1`` over blocks ``start..n-1``."""
+        if stage == pp - 1:
+            return stage_cost(stage, start, n), (n,)
+        options = []
+        for stop in range(start + 1, n - (pp - 1 - stage) + 1):  # at least one block for each later stage
+            rest, stops = best(stage + 1, stop)
+            options.append((max(stage_cost(stage, start, stop), rest), (stop, *stops)))
+        return min(options)  # ties: the smallest stops first
+
+    _, stops = best(0, 0)
+    return tuple(range(a, b) for a, b in zip((0, *stops[:-1]), stops, strict=True))
+
+
+def block_of(name: str) -> int | None:
+    """The block index a name belongs to (``layers.<i>.``), or None."""
+    match = _LAYER_INDEX.search(name)
+    return int(match.group(1)) if match else None
+
+
+def stage_costs_by_name(named_sizes: Iterable[tuple[str, int]], n_layers: int, *,
+                        first_stage: Sequence[str] = FIRST_STAGE_NAMES) -> tuple[list[int], int, int]:
+    """(elements per block, on the first stage only, on the last stage only) of named tensors: what
+    :func:`split_stages` balances."""
+    blocks, first, last = [0] * n_layers, 0, 0
+    for name, size in named_sizes:
+        block = block_of(name)
+        if block is not None:
+            if block >= n_layers:
+                raise GeometryError(f"{name!r} names layer {block} but the model has {n_layers} layers")
+            blocks[block] += size
+        elif any(part in first_stage for part in name.split(".")):
+            first += size
+        else:
+            last += size
+    return blocks, first, last
+
+
+def stage_ranges_by_name(named_sizes: Iterable[tuple[str, int]], n_layers: int, pp: int) -> tuple[range, ...]:
+    """The blocks of every stage of a model whose tensors are ``named_sizes``."""
+    costs, first, last = stage_costs_by_name(named_sizes, n_layers)
+    return split_stages(costs, pp, first_extra=first, last_extra=last)
 
 
 def stage_of(
     name: str,
-    pp: int,
-    n_layers: int,
+    ranges: Sequence[range],
     *,
-    first_stage: Sequence[str] = ("tok_embeddings", "embed_tokens", "embeddings"),
+    first_stage: Sequence[str] = FIRST_STAGE_NAMES,
     extra_owner: Mapping[str, int] | None = None,
 ) -> int:
-    """Pipeline stage owning a parameter (or optimizer-state entry) by name.
+    """Pipeline stage owning a parameter (or optimizer-state entry) by name, given every stage's blocks.
 
-    ``layers.<i>.`` anywhere in the name puts it on the stage of block ``i`` (see :func:`stage_layer_ranges`); a
-    name with a component in ``first_stage`` goes to stage 0; ``extra_owner`` maps other component names to a
-    stage; everything else (final norm, output head) goes to the last stage.
+    ``layers.<i>.`` anywhere in the name puts it on the stage holding block ``i``; a name with a component in
+    ``first_stage`` goes to stage 0; ``extra_owner`` maps other component names to a stage; everything else (final
+    norm, output head) goes to the last stage.
     """
-    match = _LAYER_INDEX.search(name)
-    if match:
-        layer = int(match.group(1))
-        for stage, layers in enumerate(stage_layer_ranges(n_layers, pp)):
-            if layer in layers:
+    block = block_of(name)
+    if block is not None:
+        for stage, blocks in enumerate(ranges):
+            if block in blocks:
                 return stage
-        raise GeometryError(f"{name!r} names layer {layer} but the model has {n_layers} layers")
+        raise GeometryError(f"{name!r} names layer {block} but the model has {ranges[-1].stop} layers")
     components = name.split(".")
     if extra_owner:
         for part in components:
@@ -55,4 +111,4 @@ def stage_of(
                 return extra_owner[part]
     if any(part in first_stage for part in components):
         return 0
-    return pp - 1
+    return len(ranges) - 1

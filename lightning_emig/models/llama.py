@@ -249,15 +249,6 @@ class Llama(nn.Module):
     def blocks(self) -> list[nn.Module]:
         return list(self.layers.values())
 
-    def stage_costs(self) -> tuple[list[int], int, int]:
-        """Parameters per block, of the embedding (first stage) and of the norm and head (last stage): what
-        :func:`~lightning_emig.parallelize.pipeline.split_stages` balances."""
-        def count(module: nn.Module) -> int:
-            return sum(p.numel() for p in module.parameters())
-
-        return [count(b) for b in self.layers.values()], count(self.tok_embeddings), count(self.norm) + count(
-            self.output)
-
     def keep_stage(self, blocks: range, *, first: bool, last: bool) -> None:
         """Keep only ``blocks`` (and the embedding if ``first``, the norm and head if ``last``), under their names."""
         for name in list(self.layers):

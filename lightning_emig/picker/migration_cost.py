@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from lightning_emig.migration.geometry import REPLICATE, PlacementSpec, TensorSharding
 from lightning_emig.migration.planner import TensorMigration, assign_new_ranks
-from lightning_emig.migration.stages import stage_of
+from lightning_emig.migration.stages import stage_of, stage_ranges_by_name
 from lightning_emig.picker.shapes import ParamTensor, param_tensors
 
 if TYPE_CHECKING:
@@ -31,8 +31,14 @@ if TYPE_CHECKING:
 MIGRATED_BYTES_PER_ELEMENT = 12
 
 
-def sharding_of(tensor: ParamTensor, layout: HybridLayout, n_layers: int) -> TensorSharding:
-    """The geometry training gives ``tensor`` under ``layout``: TP first, then FSDP2 on dim 0 over the dp axes."""
+def stage_ranges(model: LlamaConfig, pp: int) -> tuple[range, ...]:
+    """Every stage's blocks: the project's one split rule over this model's parameter counts."""
+    return stage_ranges_by_name(((t.name, _numel(t.shape)) for t in param_tensors(model)), model.n_layers, pp)
+
+
+def sharding_of(tensor: ParamTensor, layout: HybridLayout, ranges: tuple[range, ...]) -> TensorSharding:
+    """The geometry training gives ``tensor`` under ``layout`` (``ranges``: every stage's blocks): TP first, then
+    FSDP2 on dim 0 over the dp axes."""
     names: list[str] = []
     placements: list[PlacementSpec] = []
     if layout.dp > 1:
@@ -45,7 +51,7 @@ def sharding_of(tensor: ParamTensor, layout: HybridLayout, n_layers: int) -> Ten
     if layout.tp > 1:
         names.append("tp")
         placements.append(REPLICATE if tensor.tp_dim is None else PlacementSpec("shard", tensor.tp_dim))
-    stage = stage_of(tensor.name, layout.pp, n_layers) if layout.pp > 1 else None
+    stage = stage_of(tensor.name, ranges) if layout.pp > 1 else None
     return TensorSharding.for_layout(tensor.shape, layout, names, placements, stage=stage)
 
 
@@ -65,8 +71,11 @@ def estimate_migration_bytes(model: LlamaConfig, old: HybridLayout, new: HybridL
 
 def _grouped_migrations(model: LlamaConfig, old: HybridLayout, new: HybridLayout,
                         bytes_per_element: int) -> list[TensorMigration]:
+    old_ranges, new_ranges = stage_ranges(model, old.pp), stage_ranges(model, new.pp)
+
     def key(t: ParamTensor) -> tuple[object, ...]:
-        stages = tuple(stage_of(t.name, lay.pp, model.n_layers) if lay.pp > 1 else 0 for lay in (old, new))
+        stages = tuple(stage_of(t.name, ranges) if lay.pp > 1 else 0
+                       for lay, ranges in ((old, old_ranges), (new, new_ranges)))
         return (t.shape, t.tp_dim, stages)
 
     tensors = param_tensors(model)
@@ -76,7 +85,7 @@ def _grouped_migrations(model: LlamaConfig, old: HybridLayout, new: HybridLayout
         first.setdefault(key(t), t)
     return [
         TensorMigration(name=f"{index:03d}:{t.name}", itemsize=bytes_per_element * counts[k],
-                        old=sharding_of(t, old, model.n_layers), new=sharding_of(t, new, model.n_layers))
+                        old=sharding_of(t, old, old_ranges), new=sharding_of(t, new, new_ranges))
         for index, (k, t) in enumerate(first.items())
     ]
 
