@@ -34,7 +34,7 @@ from lightning_emig.migration.planner import (
     plan_all,
     plan_for_rank,
 )
-from lightning_emig.migration.stages import stage_of
+from lightning_emig.migration.stages import split_stages, stage_of
 
 N_LAYERS = 4
 
@@ -73,7 +73,7 @@ MODEL: dict[str, tuple[tuple[int, ...], Any | None]] = {
 
 def model_shardings(layout: HybridLayout) -> dict[str, TensorSharding]:
     return {
-        name: fsdp_tp_sharding(shape, layout, tp, stage_of(name, layout.pp, N_LAYERS))
+        name: fsdp_tp_sharding(shape, layout, tp, stage_of(name, split_stages([1] * N_LAYERS, layout.pp)))
         for name, (shape, tp) in MODEL.items()
     }
 
