@@ -11,12 +11,19 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from lightning_emig.layout import HybridLayout, build_mesh
+from lightning_emig.migration.engine import migrate
+from lightning_emig.migration.planner import IdentityMap
 from lightning_emig.migration.stages import split_stages
-from lightning_emig.models.llama import Llama, causal_lm_loss, get_model_config
+from lightning_emig.migration.state import allocate_optimizer_state, training_state
+from lightning_emig.models.llama import Llama, LlamaConfig, causal_lm_loss, get_model_config
+from lightning_emig.parallelize import materialize_empty, parallelize_model
 from lightning_emig.parallelize.init import materialize_and_init
 from lightning_emig.parallelize.pipeline import keep_stage, stage_ranges
 from lightning_emig.testing.distributed import run_distributed
+from lightning_emig.testing.state import assert_states_equal, full_training_state
 
 
 def test_equal_blocks_split_evenly() -> None:
@@ -138,3 +145,68 @@ def test_two_stages_train_like_the_whole_model(schedule_name: str) -> None:
         assert r["worst_grad_error"] < 1e-10, f"stage {rank}: gradients differ by {r['worst_grad_error']:.2e}"
     last = results[-1]
     assert last["loss"] == pytest.approx(last["expected_loss"], rel=1e-12)
+
+
+# ------------------------------------------------------------------------------ migration between stage layouts
+LAYOUTS = {"pp2": HybridLayout(pp=2), "s2": HybridLayout(dp_shard=2), "r2": HybridLayout(dp_replicate=2)}
+
+
+def _built(name: str, config: LlamaConfig, rank: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """An empty model and optimizer laid out as ``name`` (every process calls it: a mesh is collective)."""
+    with torch.device("meta"):
+        model = Llama(config)
+    if LAYOUTS[name].pp > 1:
+        materialize_empty(model, "cpu")
+        keep_stage(model, LAYOUTS[name].pp, rank)
+    else:
+        parallelize_model(model, build_mesh(LAYOUTS[name].resolve(2), "cpu"))
+        materialize_empty(model, "cpu")
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The whole state: a stage's own, merged with the other stages'."""
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, full_training_state(model, optimizer))
+    return {key: value for part in parts for key, value in part.items()}
+
+
+def _stage_migration_worker(rank: int, world: int, chain: tuple[str, ...]) -> list[str | None]:
+    config = dataclasses.replace(get_model_config("tiny"), n_layers=4)
+    with torch.device("meta"):
+        full = Llama(config)
+    materialize_and_init(full, "cpu", seed=5)
+    full_optimizer = torch.optim.AdamW(full.parameters(), lr=1e-3)
+    tokens = torch.randint(0, config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(2))
+    causal_lm_loss(full(tokens[:, :-1]), tokens[:, 1:]).backward()  # the same step on every process
+    full_optimizer.step()
+    expected = full_training_state(full, full_optimizer)
+    template = {key: t.spec for key, t in training_state(full, full_optimizer).items()}
+
+    # The first layout's state: the trained model, cut to this process's stage (or re-laid out, for a flat start).
+    model, optimizer = copy.deepcopy((full, full_optimizer))
+    assert LAYOUTS[chain[0]].pp > 1
+    keep_stage(model, LAYOUTS[chain[0]].pp, rank)
+    mismatches: list[str | None] = []
+    for old_name, new_name in itertools.pairwise(chain):
+        new_model, new_optimizer = _built(new_name, config, rank)
+        new_state = training_state(new_model, None)
+        new_state.update(allocate_optimizer_state(new_model, new_optimizer, template))
+        migrate(old_state=training_state(model, optimizer), new_state=new_state, old_layout=LAYOUTS[old_name].resolve(2),
+                new_layout=LAYOUTS[new_name].resolve(2), identity=IdentityMap.same_processes(2), pid=rank,
+                release_old=True)
+        model, optimizer = new_model, new_optimizer
+        try:
+            assert_states_equal(expected, _full_state(model, optimizer) if LAYOUTS[new_name].pp > 1
+                                else full_training_state(model, optimizer))
+            mismatches.append(None)
+        except AssertionError as error:
+            mismatches.append(f"{old_name} -> {new_name}: {error}")
+    return mismatches
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("chain", [("pp2", "s2", "pp2"), ("pp2", "r2", "pp2")], ids=["pp-fsdp-pp", "pp-ddp-pp"])
+def test_state_moves_between_stage_layouts_bit_exact(chain: tuple[str, ...]) -> None:
+    for rank, mismatches in enumerate(run_distributed(_stage_migration_worker, 2, chain, timeout_s=150)):
+        assert mismatches == [None] * (len(chain) - 1), f"process {rank}: {mismatches}"

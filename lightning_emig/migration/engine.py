@@ -156,7 +156,7 @@ def migrate(
         raise ValueError(f"process {pid}: state given does not match its roles {me}")
     seconds: dict[str, float] = {}
     start = time.perf_counter()
-    old_specs, new_specs = _agreed_specs(old_state, new_state, identity, group)
+    old_specs, new_specs = _agreed_specs(old_state, new_state, identity, group, old_layout, new_layout)
     digest = _digest(old_specs, new_specs)
     seconds["agree"] = time.perf_counter() - start
 
@@ -192,14 +192,29 @@ def migrate(
                            total_bytes_copied=copied)
 
 
+def _union_specs(specs: dict[str, ShardingSpec] | None, group: dist.ProcessGroup | None) -> dict[str, ShardingSpec]:
+    """Every process's specs, merged (a key two processes hold must have the same spec on both)."""
+    gathered: list[dict[str, ShardingSpec] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, specs, group=group)
+    union: dict[str, ShardingSpec] = {}
+    for part in gathered:
+        for key, spec in (part or {}).items():
+            if union.setdefault(key, spec) != spec:
+                raise ValueError(f"{key}: processes disagree on its sharding ({union[key]} vs {spec})")
+    return dict(sorted(union.items()))
+
+
 def _agreed_specs(
     old_state: dict[str, StateTensor] | None, new_state: dict[str, StateTensor] | None, identity: IdentityMap,
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | None, old_layout: HybridLayout, new_layout: HybridLayout,
 ) -> tuple[dict[str, ShardingSpec], dict[str, ShardingSpec]]:
-    """The old and new specs every process plans from: its own where every process holds both sides (checked by
+    """The old and new specs every process plans from: the union over every process's where a layout has pipeline
+    stages (each stage holds its own tensors only); else its own where every process holds both sides (checked by
     digest in the next all-gather), else broadcast from a process that holds them."""
     old_specs = {k: t.spec for k, t in old_state.items()} if old_state else None
     new_specs = {k: t.spec for k, t in new_state.items()} if new_state else None
+    if old_layout.pp > 1 or new_layout.pp > 1:
+        return _union_specs(old_specs, group), _union_specs(new_specs, group)
     if all(p.old_rank is not None and p.new_rank is not None for p in identity.processes):
         assert old_specs is not None and new_specs is not None
         return old_specs, new_specs

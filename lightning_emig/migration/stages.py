@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from lightning_emig.migration.boxes import GeometryError
 
@@ -112,3 +113,47 @@ def stage_of(
     if any(part in first_stage for part in components):
         return 0
     return len(ranges) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class StageSplit:
+    """A whole model's stage costs (see :func:`stage_costs_by_name`): enough to split it for any ``pp``."""
+
+    block_costs: tuple[int, ...]
+    first_extra: int
+    last_extra: int
+
+    @classmethod
+    def by_name(cls, named_sizes: Iterable[tuple[str, int]], n_layers: int) -> StageSplit:
+        costs, first, last = stage_costs_by_name(named_sizes, n_layers)
+        return cls(tuple(costs), first, last)
+
+    def ranges(self, pp: int) -> tuple[range, ...]:
+        return _split_of(self, pp)
+
+
+@functools.lru_cache(maxsize=64)
+def _split_of(split: StageSplit, pp: int) -> tuple[range, ...]:
+    return split_stages(split.block_costs, pp, first_extra=split.first_extra, last_extra=split.last_extra)
+
+
+@dataclass(frozen=True, slots=True)
+class StageOwner:
+    """Which stage holds a tensor under any ``pp``: its block (``None`` outside the blocks), whether it belongs to
+    the first stage (the embedding), and the whole model's split. Tensors of one block share one owner."""
+
+    block: int | None
+    first: bool
+    split: StageSplit
+
+    @classmethod
+    def of(cls, name: str, split: StageSplit, *, first_stage: Sequence[str] = FIRST_STAGE_NAMES) -> StageOwner:
+        block = block_of(name)
+        if block is not None and block >= len(split.block_costs):
+            raise GeometryError(f"{name!r} names layer {block} but the model has {len(split.block_costs)} layers")
+        return cls(block, block is None and any(part in first_stage for part in name.split(".")), split)
+
+    def stage(self, pp: int) -> int:
+        if self.block is not None:
+            return next(stage for stage, blocks in enumerate(self.split.ranges(pp)) if self.block in blocks)
+        return 0 if self.first else pp - 1

@@ -14,6 +14,7 @@ the module's and the optimizer's state dicts hold. Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,7 +23,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_emig.layout import HybridLayout
-from lightning_emig.migration.geometry import TensorSharding
+from lightning_emig.migration.geometry import GeometryError, TensorSharding
+from lightning_emig.migration.stages import StageOwner, StageSplit
 
 
 class UnsupportedStateError(TypeError):
@@ -37,6 +39,8 @@ class ShardingSpec:
     dtype: torch.dtype
     mesh_dim_names: tuple[str, ...]
     placements: tuple[object, ...]
+    owner: StageOwner | None = None
+    """Which pipeline stage holds the tensor under any ``pp`` (None: a model without blocks, never pipelined)."""
 
     def on(self, layout: HybridLayout) -> TensorSharding:
         return _sharding_on(self, layout)
@@ -51,7 +55,13 @@ def _sharding_on(spec: ShardingSpec, layout: HybridLayout) -> TensorSharding:
     """Geometry depends on (shape, placements, layout) only: a model has a handful of distinct ones, and a change
     asks for every state tensor's on both layouts, so it is computed once per distinct pair (the planner's inputs
     are immutable, sharing is safe)."""
-    return TensorSharding.for_layout(spec.global_shape, layout, spec.mesh_dim_names, spec.placements)
+    stage = None
+    if layout.pp > 1:
+        if spec.owner is None:
+            raise GeometryError(f"a tensor of shape {spec.global_shape} has no pipeline stage owner, so it cannot be "
+                                f"placed on {layout.describe()}: pipelining needs a model with blocks()")
+        stage = spec.owner.stage(layout.pp)
+    return TensorSharding.for_layout(spec.global_shape, layout, spec.mesh_dim_names, spec.placements, stage=stage)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,11 +130,28 @@ def local_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor  # noqa: SLF001 - in-place access
 
 
+def stage_split_of(model: torch.nn.Module) -> StageSplit | None:
+    """The whole model's stage split: recorded on a model cut to one stage (``pipeline_split``), else computed from
+    a model with ``blocks()``; None for a model without blocks (it cannot be pipelined)."""
+    recorded = getattr(model, "pipeline_split", None)
+    if recorded is not None:
+        return recorded
+    blocks = getattr(model, "blocks", None)
+    if not callable(blocks):
+        return None
+    return StageSplit.by_name(((name, p.numel()) for name, p in model.named_parameters()), len(blocks()))
+
+
+def _owned(spec: ShardingSpec, name: str, split: StageSplit | None) -> ShardingSpec:
+    return spec if split is None else dataclasses.replace(spec, owner=StageOwner.of(name, split))
+
+
 def model_state(model: torch.nn.Module) -> Iterator[StateTensor]:
     """Everything ``model.state_dict()`` holds: parameters (``param/<fqn>``) and persistent buffers
     (``buffer/<fqn>``), sharded or not. A tensor registered under two names (tied weights) is moved once, under its
     first name. Non-tensor entries (``get_extra_state``) cannot be migrated and are refused by name."""
     parameters = {id(p) for p in model.parameters()}
+    split = stage_split_of(model)
     seen: set[int] = set()
     for name, value in model.state_dict(keep_vars=True).items():
         if not isinstance(value, torch.Tensor):
@@ -136,10 +163,11 @@ def model_state(model: torch.nn.Module) -> Iterator[StateTensor]:
             continue
         seen.add(id(value))
         kind = "param" if id(value) in parameters else "buffer"
-        yield StateTensor(f"{kind}/{name}", spec_of(value), local_of(value.data))
+        yield StateTensor(f"{kind}/{name}", _owned(spec_of(value), name, split), local_of(value.data))
 
 
 def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[StateTensor]:
+    split = stage_split_of(model)
     for name, param in model.named_parameters():
         for key, value in optimizer.state.get(param, {}).items():
             if not isinstance(value, torch.Tensor):
@@ -148,7 +176,7 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
                     "(parameter-shaped or scalar) can be migrated"
                 )
             if value.dim() == 0 or tuple(value.shape) == tuple(param.shape):
-                yield StateTensor(f"optim/{name}/{key}", spec_of(value), local_of(value))
+                yield StateTensor(f"optim/{name}/{key}", _owned(spec_of(value), name, split), local_of(value))
             else:
                 raise UnsupportedStateError(
                     f"optimizer state {name}/{key} has shape {tuple(value.shape)}, neither the parameter's "
@@ -166,7 +194,8 @@ def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
 def allocate_optimizer_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, template: dict[str, ShardingSpec]
 ) -> dict[str, StateTensor]:
-    """Create empty optimizer state for ``model``'s new parameters, with the keys (and dtypes) of ``template``.
+    """Create empty optimizer state for ``model``'s new parameters, with the keys (and dtypes) of ``template`` (a
+    model cut to one pipeline stage: the keys of its own parameters).
 
     Parameter-shaped states take the new parameter's sharding (``empty_like`` of a DTensor keeps its mesh and
     placements); scalars are plain tensors, on the device torch's optimizers keep them on (the CPU, or the
@@ -182,6 +211,8 @@ def allocate_optimizer_state(
         if kind != "optim":
             continue
         name, state_name = rest.rsplit("/", 1)
+        if name not in params and getattr(model, "pipeline_split", None) is not None:
+            continue  # a pipeline stage holds the state of its own parameters only
         param = params[name]
         if spec.global_shape == ():
             device = _scalar_state_device(groups.get(id(param), {}), param)
@@ -189,7 +220,7 @@ def allocate_optimizer_state(
         else:
             value = torch.empty_like(param.data, dtype=spec.dtype)
         optimizer.state[param][state_name] = value
-        out[key] = StateTensor(key, spec_of(value), local_of(value))
+        out[key] = StateTensor(key, dataclasses.replace(spec_of(value), owner=spec.owner), local_of(value))
     return out
 
 

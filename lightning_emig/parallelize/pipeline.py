@@ -16,24 +16,29 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lightning_emig.migration.stages import stage_ranges_by_name
+from lightning_emig.migration.state import stage_split_of
 
 if TYPE_CHECKING:
     from torch import nn
 
 
 def stage_ranges(model: nn.Module, pp: int) -> tuple[range, ...]:
-    """The blocks of every stage of ``model`` (its ``blocks()`` are the blocks ``layers.<i>.`` names count)."""
-    n_layers = len(model.blocks())  # type: ignore[operator]
-    return stage_ranges_by_name(((n, p.numel()) for n, p in model.named_parameters()), n_layers, pp)
+    """The blocks of every stage of ``model`` (the whole model's, also once it is cut to one stage)."""
+    split = stage_split_of(model)
+    if split is None:
+        raise ValueError(f"{type(model).__name__} has no blocks(): it cannot be split into pipeline stages")
+    return split.ranges(pp)
 
 
 def keep_stage(model: nn.Module, pp: int, stage: int) -> nn.Module:
-    """Cut ``model`` down, in place, to pipeline stage ``stage`` of ``pp``; return it."""
+    """Cut ``model`` down, in place, to pipeline stage ``stage`` of ``pp``; return it. The whole model's split stays
+    recorded on it (``pipeline_split``): its state's specs then say which stage holds each tensor for any ``pp``."""
     if not 0 <= stage < pp:
         raise ValueError(f"stage {stage} is not one of the {pp} stages")
+    split = stage_split_of(model)
     blocks = stage_ranges(model, pp)[stage]
     model.keep_stage(blocks, first=stage == 0, last=stage == pp - 1)  # type: ignore[operator]
+    model.pipeline_split = split
     return model
 
 
