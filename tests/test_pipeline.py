@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from lightning_emig.layout import HybridLayout, build_mesh
 from lightning_emig.migration.engine import migrate
-from lightning_emig.migration.planner import IdentityMap
+from lightning_emig.migration.geometry import rank_to_coordinate
+from lightning_emig.migration.planner import IdentityMap, ProcessInfo
 from lightning_emig.migration.stages import split_stages
 from lightning_emig.migration.state import allocate_optimizer_state, training_state
 from lightning_emig.models.llama import Llama, LlamaConfig, causal_lm_loss, get_model_config
@@ -148,30 +149,44 @@ def test_two_stages_train_like_the_whole_model(schedule_name: str) -> None:
 
 
 # ------------------------------------------------------------------------------ migration between stage layouts
-LAYOUTS = {"pp2": HybridLayout(pp=2), "s2": HybridLayout(dp_shard=2), "r2": HybridLayout(dp_replicate=2)}
+Step = tuple[HybridLayout, int]
+"""A layout and the processes it runs on (ranks ``0..n-1`` of the test's processes)."""
 
 
-def _built(name: str, config: LlamaConfig, rank: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """An empty model and optimizer laid out as ``name`` (every process calls it: a mesh is collective)."""
+def _built(layout: HybridLayout, world: int, config: LlamaConfig, rank: int) -> tuple[Any, Any]:
+    """This process's empty model and optimizer under ``layout`` (None, None outside its world). Every process
+    calls it: building a mesh is collective."""
+    mesh = None if layout.pp > 1 else build_mesh(layout, "cpu", ranks=range(world))
+    if rank >= world:
+        return None, None
     with torch.device("meta"):
         model = Llama(config)
-    if LAYOUTS[name].pp > 1:
+    if mesh is None:  # stages of plain tensors (replicated within a stage, if the layout has dp_replicate)
         materialize_empty(model, "cpu")
-        keep_stage(model, LAYOUTS[name].pp, rank)
+        keep_stage(model, layout.pp, rank_to_coordinate(rank, layout.mesh_shape)[0])
     else:
-        parallelize_model(model, build_mesh(LAYOUTS[name].resolve(2), "cpu"))
+        parallelize_model(model, mesh)
         materialize_empty(model, "cpu")
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def _full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """The whole state: a stage's own, merged with the other stages'."""
+def _full_state(layout: HybridLayout, model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
+    """The whole state (every process calls it): each stage's own, merged over every process."""
+    own = {} if model is None else full_training_state(model, optimizer) if layout.pp > 1 else None
     parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, full_training_state(model, optimizer))
-    return {key: value for part in parts for key, value in part.items()}
+    dist.all_gather_object(parts, own)
+    if layout.pp == 1:  # a DTensor's full value is gathered by its own mesh's processes
+        return {} if model is None else full_training_state(model, optimizer)
+    return {key: value for part in parts for key, value in (part or {}).items()}
 
 
-def _stage_migration_worker(rank: int, world: int, chain: tuple[str, ...]) -> list[str | None]:
+def _identity(old_world: int, new_world: int) -> IdentityMap:
+    pids = range(max(old_world, new_world))
+    return IdentityMap(tuple(ProcessInfo(pid, 0, pid if pid < old_world else None, pid if pid < new_world else None)
+                             for pid in pids), old_world, new_world)
+
+
+def _stage_migration_worker(rank: int, processes: int, chain: tuple[Step, ...]) -> list[str | None]:
     config = dataclasses.replace(get_model_config("tiny"), n_layers=4)
     with torch.device("meta"):
         full = Llama(config)
@@ -183,30 +198,57 @@ def _stage_migration_worker(rank: int, world: int, chain: tuple[str, ...]) -> li
     expected = full_training_state(full, full_optimizer)
     template = {key: t.spec for key, t in training_state(full, full_optimizer).items()}
 
-    # The first layout's state: the trained model, cut to this process's stage (or re-laid out, for a flat start).
-    model, optimizer = copy.deepcopy((full, full_optimizer))
-    assert LAYOUTS[chain[0]].pp > 1
-    keep_stage(model, LAYOUTS[chain[0]].pp, rank)
+    # The first layout (stages of plain tensors): the trained model cut to this process's stage.
+    first, first_world = chain[0]
+    assert first.pp > 1
+    model = optimizer = None
+    if rank < first_world:
+        model, optimizer = copy.deepcopy((full, full_optimizer))
+        keep_stage(model, first.pp, rank_to_coordinate(rank, first.mesh_shape)[0])
     mismatches: list[str | None] = []
-    for old_name, new_name in itertools.pairwise(chain):
-        new_model, new_optimizer = _built(new_name, config, rank)
-        new_state = training_state(new_model, None)
-        new_state.update(allocate_optimizer_state(new_model, new_optimizer, template))
-        migrate(old_state=training_state(model, optimizer), new_state=new_state, old_layout=LAYOUTS[old_name].resolve(2),
-                new_layout=LAYOUTS[new_name].resolve(2), identity=IdentityMap.same_processes(2), pid=rank,
-                release_old=True)
+    for (old, old_world), (new, new_world) in itertools.pairwise(chain):
+        new_model, new_optimizer = _built(new, new_world, config, rank)
+        union = max(old_world, new_world)
+        group = None if union == processes else dist.new_group(list(range(union)))  # collective: everyone calls
+        if rank < union:
+            new_state = None
+            if new_model is not None:
+                new_state = training_state(new_model, None)
+                new_state.update(allocate_optimizer_state(new_model, new_optimizer, template))
+            migrate(old_state=training_state(model, optimizer) if model is not None else None, new_state=new_state,
+                    old_layout=old, new_layout=new, identity=_identity(old_world, new_world), pid=rank, group=group,
+                    release_old=True)
         model, optimizer = new_model, new_optimizer
+        state = _full_state(new, model, optimizer)
+        if model is None:
+            continue
         try:
-            assert_states_equal(expected, _full_state(model, optimizer) if LAYOUTS[new_name].pp > 1
-                                else full_training_state(model, optimizer))
+            assert_states_equal(expected, state)
             mismatches.append(None)
         except AssertionError as error:
-            mismatches.append(f"{old_name} -> {new_name}: {error}")
+            mismatches.append(f"{old.describe()} -> {new.describe()}: {error}")
     return mismatches
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("chain", [("pp2", "s2", "pp2"), ("pp2", "r2", "pp2")], ids=["pp-fsdp-pp", "pp-ddp-pp"])
-def test_state_moves_between_stage_layouts_bit_exact(chain: tuple[str, ...]) -> None:
-    for rank, mismatches in enumerate(run_distributed(_stage_migration_worker, 2, chain, timeout_s=150)):
-        assert mismatches == [None] * (len(chain) - 1), f"process {rank}: {mismatches}"
+def _chain(*steps: tuple[dict[str, int], int]) -> tuple[Step, ...]:
+    return tuple((HybridLayout(**layout).resolve(world), world) for layout, world in steps)
+
+
+CHAINS = {
+    # stages <-> FSDP / DDP on the same two processes
+    "pp2-s2-pp2": _chain(({"pp": 2}, 2), ({"dp_shard": 2}, 2), ({"pp": 2}, 2)),
+    "pp2-r2-pp2": _chain(({"pp": 2}, 2), ({"dp_replicate": 2}, 2), ({"pp": 2}, 2)),
+    # worlds change too: 2 -> 4 joiners, pp 1 -> 4, stages with replicas, 4 -> 3 and 3 -> 2 leavers
+    "pp2-s4-pp4-pp2r2-s3-pp2": _chain(({"pp": 2}, 2), ({"dp_shard": 4}, 4), ({"pp": 4}, 4),
+                                     ({"pp": 2, "dp_replicate": 2}, 4), ({"dp_shard": 3}, 3), ({"pp": 2}, 2)),
+}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", list(CHAINS))
+def test_state_moves_between_stage_layouts_bit_exact(name: str) -> None:
+    chain = CHAINS[name]
+    processes = max(world for _, world in chain)
+    for rank, mismatches in enumerate(run_distributed(_stage_migration_worker, processes, chain, timeout_s=200)):
+        changes = sum(1 for (_, a), (_, b) in itertools.pairwise(chain) if rank < b)
+        assert mismatches == [None] * changes, f"process {rank}: {mismatches}"
