@@ -205,10 +205,22 @@ def _unbuilt_mesh(layout: HybridLayout) -> LayoutMesh:
     return SimpleNamespace(layout=layout)  # type: ignore[return-value]
 
 
-def test_pipeline_parallel_is_refused() -> None:
+def test_pipeline_stages_need_a_model_that_can_be_cut() -> None:
+    class NoStages(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleDict({"0": torch.nn.Linear(2, 2), "1": torch.nn.Linear(2, 2)})
+
     layout = HybridLayout(dp_shard=1, pp=2).resolve(2)
+    with pytest.raises(ValueError, match="pp=2 needs a model that can be cut into stages"):
+        parallelize_model(NoStages(), _unbuilt_mesh(layout))
+
+
+def test_the_strategy_does_not_train_with_stages_yet() -> None:
+    from lightning_emig.membership.settings import validate_layout_for_module
+
     with pytest.raises(NotImplementedError, match=r"pipeline parallelism \(pp>1\) is not yet supported"):
-        parallelize_model(Llama(get_model_config("tiny")), _unbuilt_mesh(layout))
+        validate_layout_for_module(object(), HybridLayout(dp_shard=1, pp=2).resolve(2))
 
 
 def test_layout_that_does_not_fit_the_model_is_refused() -> None:

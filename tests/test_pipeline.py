@@ -154,30 +154,27 @@ Step = tuple[HybridLayout, int]
 
 
 def _built(layout: HybridLayout, world: int, config: LlamaConfig, rank: int) -> tuple[Any, Any]:
-    """This process's empty model and optimizer under ``layout`` (None, None outside its world). Every process
-    calls it: building a mesh is collective."""
-    mesh = None if layout.pp > 1 else build_mesh(layout, "cpu", ranks=range(world))
+    """This process's empty model and optimizer under ``layout`` (None, None outside its world): its stage, with TP
+    and FSDP2 within the stage. Every process calls it: building a mesh is collective."""
+    mesh = build_mesh(layout, "cpu", ranks=range(world))
     if rank >= world:
         return None, None
     with torch.device("meta"):
         model = Llama(config)
-    if mesh is None:  # stages of plain tensors (replicated within a stage, if the layout has dp_replicate)
-        materialize_empty(model, "cpu")
-        keep_stage(model, layout.pp, rank_to_coordinate(rank, layout.mesh_shape)[0])
-    else:
-        parallelize_model(model, mesh)
-        materialize_empty(model, "cpu")
+    parallelize_model(model, mesh)
+    materialize_empty(model, "cpu")
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
 def _full_state(layout: HybridLayout, model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
-    """The whole state (every process calls it): each stage's own, merged over every process."""
-    own = {} if model is None else full_training_state(model, optimizer) if layout.pp > 1 else None
+    """The whole state (every process calls it): with stages, each stage's own (gathered within the stage) merged
+    over every process."""
+    own = {} if model is None else full_training_state(model, optimizer)
+    if layout.pp == 1:
+        return own
     parts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, own)
-    if layout.pp == 1:  # a DTensor's full value is gathered by its own mesh's processes
-        return {} if model is None else full_training_state(model, optimizer)
-    return {key: value for part in parts for key, value in (part or {}).items()}
+    return {key: value for part in parts for key, value in part.items()}
 
 
 def _identity(old_world: int, new_world: int) -> IdentityMap:
@@ -238,9 +235,13 @@ CHAINS = {
     # stages <-> FSDP / DDP on the same two processes
     "pp2-s2-pp2": _chain(({"pp": 2}, 2), ({"dp_shard": 2}, 2), ({"pp": 2}, 2)),
     "pp2-r2-pp2": _chain(({"pp": 2}, 2), ({"dp_replicate": 2}, 2), ({"pp": 2}, 2)),
-    # worlds change too: 2 -> 4 joiners, pp 1 -> 4, stages with replicas, 4 -> 3 and 3 -> 2 leavers
-    "pp2-s4-pp4-pp2r2-s3-pp2": _chain(({"pp": 2}, 2), ({"dp_shard": 4}, 4), ({"pp": 4}, 4),
-                                     ({"pp": 2, "dp_replicate": 2}, 4), ({"dp_shard": 3}, 3), ({"pp": 2}, 2)),
+    # worlds change too: 2 -> 4 joiners, pp 1 -> 4, pp 4 -> 3 with a leaver, stages with replicas, 4 -> 3 -> 2
+    "pp2-s4-pp4-pp3-pp2r2-s3-pp2": _chain(({"pp": 2}, 2), ({"dp_shard": 4}, 4), ({"pp": 4}, 4), ({"pp": 3}, 3),
+                                         ({"pp": 2, "dp_replicate": 2}, 4), ({"dp_shard": 3}, 3), ({"pp": 2}, 2)),
+    # FSDP2 and TP inside each stage: blocks change stage while their shards are reshaped
+    "pp2-pp2s2-s4-pp2t2-pp4-pp2s2-pp2": _chain(({"pp": 2}, 2), ({"pp": 2, "dp_shard": 2}, 4), ({"dp_shard": 4}, 4),
+                                              ({"pp": 2, "tp": 2}, 4), ({"pp": 4}, 4), ({"pp": 2, "dp_shard": 2}, 4),
+                                              ({"pp": 2}, 2)),
 }
 
 

@@ -54,10 +54,16 @@ def parallelize_model(
     validate = getattr(model, "validate_layout", None)
     if callable(validate):
         validate(layout)
-    if layout.pp > 1:
-        raise NotImplementedError(
-            f"pipeline parallelism (pp>1) is not yet supported; got {layout.describe()}. Use pp=1."
-        )
+    if layout.pp > 1:  # this process's stage only, then TP and FSDP2 within the stage (its sub-meshes)
+        from lightning_emig.parallelize.pipeline import keep_stage
+
+        if not hasattr(model, "keep_stage"):
+            raise ValueError(f"pp={layout.pp} needs a model that can be cut into stages: give "
+                             f"{type(model).__name__} a keep_stage(blocks, first=, last=) method")
+        coordinate = layout_mesh.root.get_coordinate()
+        if coordinate is None:
+            raise ValueError("this process is not on the layout's mesh: it has no pipeline stage to build")
+        keep_stage(model, layout.pp, coordinate[0])
     if tp_plan is None and hasattr(model, "tensor_parallel_plan"):
         tp_plan = model.tensor_parallel_plan()  # type: ignore[operator]
     if blocks is None:

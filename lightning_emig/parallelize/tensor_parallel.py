@@ -56,12 +56,22 @@ def apply_tensor_parallel(
         plan = model.tensor_parallel_plan()  # type: ignore[operator]
     if isinstance(plan, dict):
         plan = TensorParallelPlan(root=plan, block={})
-    parallelize_module(model, tp_mesh, plan.root)
+    # A pipeline stage lacks the embedding or the head: the root plan applies to the submodules it holds.
+    parallelize_module(model, tp_mesh, {fqn: style for fqn, style in plan.root.items() if _holds(model, fqn)})
     if plan.block:
         for block in blocks_of(model) if blocks is None else blocks:
             parallelize_module(block, tp_mesh, plan.block)
     if plan.sequence_dim is not None:
         model.register_forward_pre_hook(_sequence_length_check(plan.sequence_dim, tp_mesh.size()))
+
+
+def _holds(model: nn.Module, fqn: str) -> bool:
+    if "*" in fqn:
+        return True
+    try:
+        return model.get_submodule(fqn) is not None
+    except AttributeError:
+        return False
 
 
 def _sequence_length_check(dim: int, tp: int) -> Callable[[nn.Module, tuple[Any, ...]], None]:
