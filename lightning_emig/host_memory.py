@@ -22,15 +22,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import re
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-
-log = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3

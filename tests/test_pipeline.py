@@ -16,7 +16,7 @@ import torch.distributed as dist
 from lightning_emig.layout import HybridLayout, build_mesh
 from lightning_emig.migration.engine import migrate
 from lightning_emig.migration.geometry import rank_to_coordinate
-from lightning_emig.migration.planner import IdentityMap, ProcessInfo
+from lightning_emig.migration.planner import IdentityMap
 from lightning_emig.migration.stages import split_stages
 from lightning_emig.migration.state import allocate_optimizer_state, training_state
 from lightning_emig.models.llama import Llama, LlamaConfig, causal_lm_loss, get_model_config
@@ -177,12 +177,6 @@ def _full_state(layout: HybridLayout, model: Any, optimizer: Any) -> dict[str, t
     return {key: value for part in parts for key, value in part.items()}
 
 
-def _identity(old_world: int, new_world: int) -> IdentityMap:
-    pids = range(max(old_world, new_world))
-    return IdentityMap(tuple(ProcessInfo(pid, 0, pid if pid < old_world else None, pid if pid < new_world else None)
-                             for pid in pids), old_world, new_world)
-
-
 def _stage_migration_worker(rank: int, processes: int, chain: tuple[Step, ...]) -> list[str | None]:
     config = dataclasses.replace(get_model_config("tiny"), n_layers=4)
     with torch.device("meta"):
@@ -213,7 +207,7 @@ def _stage_migration_worker(rank: int, processes: int, chain: tuple[Step, ...]) 
                 new_state = training_state(new_model, None)
                 new_state.update(allocate_optimizer_state(new_model, new_optimizer, template))
             migrate(old_state=training_state(model, optimizer) if model is not None else None, new_state=new_state,
-                    old_layout=old, new_layout=new, identity=_identity(old_world, new_world), pid=rank, group=group,
+                    old_layout=old, new_layout=new, identity=IdentityMap.first_ranks(old_world, new_world), pid=rank, group=group,
                     release_old=True)
         model, optimizer = new_model, new_optimizer
         state = _full_state(new, model, optimizer)

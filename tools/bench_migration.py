@@ -81,7 +81,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_emig.layout import HybridLayout, LayoutMesh, build_mesh
 from lightning_emig.migration.engine import migrate
-from lightning_emig.migration.planner import IdentityMap, ProcessInfo
+from lightning_emig.migration.planner import IdentityMap
 from lightning_emig.migration.state import (
     ShardingSpec,
     allocate_optimizer_state,
@@ -300,14 +300,7 @@ class Ctx:
 
 def _direct(ctx: Ctx, release_old: bool = False) -> dict[str, Any]:
     t = ctx.transition
-    identity = IdentityMap(
-        tuple(
-            ProcessInfo(pid, 0, pid if pid < t.old_world else None, pid if pid < t.new_world else None)
-            for pid in range(max(t.old_world, t.new_world))
-        ),
-        t.old_world,
-        t.new_world,
-    )
+    identity = IdentityMap.first_ranks(t.old_world, t.new_world)
     report = migrate(
         old_state=training_state(ctx.old.model, ctx.old.optimizer) if ctx.old else None,
         new_state=training_state(ctx.new.model, ctx.new.optimizer) if ctx.new else None,

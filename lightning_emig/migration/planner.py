@@ -108,6 +108,13 @@ class IdentityMap:
         nodes = nodes if nodes is not None else [0] * world
         return cls(tuple(ProcessInfo(r, nodes[r], r, r) for r in range(world)), world, world)
 
+    @classmethod
+    def first_ranks(cls, old_world: int, new_world: int) -> IdentityMap:
+        """Processes ``0..max-1``, process ``p`` old rank ``p`` below ``old_world`` and new rank ``p`` below
+        ``new_world``: a world that grows gains joiners at the top, one that shrinks loses its top processes."""
+        return cls(tuple(ProcessInfo(p, 0, p if p < old_world else None, p if p < new_world else None)
+                         for p in range(max(old_world, new_world))), old_world, new_world)
+
     def process(self, pid: int) -> ProcessInfo:
         try:
             return self._by_pid[pid]

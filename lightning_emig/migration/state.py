@@ -146,12 +146,11 @@ def _owned(spec: ShardingSpec, name: str, split: StageSplit | None) -> ShardingS
     return spec if split is None else dataclasses.replace(spec, owner=StageOwner.of(name, split))
 
 
-def model_state(model: torch.nn.Module) -> Iterator[StateTensor]:
+def model_state(model: torch.nn.Module, split: StageSplit | None) -> Iterator[StateTensor]:
     """Everything ``model.state_dict()`` holds: parameters (``param/<fqn>``) and persistent buffers
     (``buffer/<fqn>``), sharded or not. A tensor registered under two names (tied weights) is moved once, under its
     first name. Non-tensor entries (``get_extra_state``) cannot be migrated and are refused by name."""
     parameters = {id(p) for p in model.parameters()}
-    split = stage_split_of(model)
     seen: set[int] = set()
     for name, value in model.state_dict(keep_vars=True).items():
         if not isinstance(value, torch.Tensor):
@@ -166,8 +165,8 @@ def model_state(model: torch.nn.Module) -> Iterator[StateTensor]:
         yield StateTensor(f"{kind}/{name}", _owned(spec_of(value), name, split), local_of(value.data))
 
 
-def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[StateTensor]:
-    split = stage_split_of(model)
+def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    split: StageSplit | None) -> Iterator[StateTensor]:
     for name, param in model.named_parameters():
         for key, value in optimizer.state.get(param, {}).items():
             if not isinstance(value, torch.Tensor):
@@ -185,9 +184,10 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
 
 
 def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, StateTensor]:
-    tensors = list(model_state(model))
+    split = stage_split_of(model)  # each tensor's spec says which stage holds it under any pp
+    tensors = list(model_state(model, split))
     if optimizer is not None:
-        tensors += list(optimizer_state(model, optimizer))
+        tensors += list(optimizer_state(model, optimizer, split))
     return {t.key: t for t in tensors}
 
 

@@ -23,13 +23,19 @@ from lightning_emig.migration.state import stage_split_of
 if TYPE_CHECKING:
     from torch import nn
 
+    from lightning_emig.migration.stages import StageSplit
+
 
 def stage_ranges(model: nn.Module, pp: int) -> tuple[range, ...]:
     """The blocks of every stage of ``model`` (the whole model's, also once it is cut to one stage)."""
+    return _split(model).ranges(pp)
+
+
+def _split(model: nn.Module) -> StageSplit:
     split = stage_split_of(model)
     if split is None:
         raise ValueError(f"{type(model).__name__} has no blocks(): it cannot be split into pipeline stages")
-    return split.ranges(pp)
+    return split
 
 
 def keep_stage(model: nn.Module, pp: int, stage: int) -> nn.Module:
@@ -37,8 +43,8 @@ def keep_stage(model: nn.Module, pp: int, stage: int) -> nn.Module:
     recorded on it (``pipeline_split``): its state's specs then say which stage holds each tensor for any ``pp``."""
     if not 0 <= stage < pp:
         raise ValueError(f"stage {stage} is not one of the {pp} stages")
-    split = stage_split_of(model)
-    blocks = stage_ranges(model, pp)[stage]
+    split = _split(model)
+    blocks = split.ranges(pp)[stage]
     model.keep_stage(blocks, first=stage == 0, last=stage == pp - 1)  # type: ignore[operator]
     model.pipeline_split = split
     return model
