@@ -136,6 +136,8 @@ class TrainerSection:
     pg_timeout_s: int = 600
     """Timeout of every collective; gloo cannot abort, so a dead peer must surface as a timeout."""
     progress_bar: bool = True
+    pipeline_schedule: str = "gpipe"
+    """Under ``layout.pp > 1``: ``gpipe`` or ``1f1b`` (needs at least ``pp`` micro-batches per step)."""
 
 
 @dataclass(kw_only=True)

@@ -216,13 +216,6 @@ def test_pipeline_stages_need_a_model_that_can_be_cut() -> None:
         parallelize_model(NoStages(), _unbuilt_mesh(layout))
 
 
-def test_the_strategy_does_not_train_with_stages_yet() -> None:
-    from lightning_emig.membership.settings import validate_layout_for_module
-
-    with pytest.raises(NotImplementedError, match=r"pipeline parallelism \(pp>1\) is not yet supported"):
-        validate_layout_for_module(object(), HybridLayout(dp_shard=1, pp=2).resolve(2))
-
-
 def test_layout_that_does_not_fit_the_model_is_refused() -> None:
     layout = HybridLayout(dp_shard=1, tp=8).resolve(8)
     with pytest.raises(LayoutError, match="tp=8 does not divide"):

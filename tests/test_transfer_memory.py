@@ -31,9 +31,9 @@ BUCKET = 8 << 20
 SLACK = 8 << 20  # the interpreter's own allocations between the reset and the end (plans, pickles, gloo's buffers)
 
 
-def _specs(dim: int, count: int = TENSORS, shape: tuple[int, int] = SHAPE) -> dict[str, StateTensor]:
+def _specs(dim: int, count: int = TENSORS, shape: tuple[int, int] = SHAPE) -> dict[str, ShardingSpec]:
     spec = ShardingSpec(shape, torch.float32, ("dp_shard",), (Shard(dim),))
-    return {f"param/t{i:02d}": StateTensor(f"param/t{i:02d}", spec, torch.empty(0)) for i in range(count)}
+    return {f"param/t{i:02d}": spec for i in range(count)}
 
 
 def _migrate(old: dict[str, StateTensor], new: dict[str, StateTensor], layout: HybridLayout, rank: int) -> None:

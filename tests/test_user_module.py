@@ -178,9 +178,16 @@ def test_a_models_blocks_come_from_its_method_or_its_block_container() -> None:
     from lightning_emig.models.base import blocks_of
     from lightning_emig.models.llama import Llama, get_model_config
 
+    class Container(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))  # callable, but not a method to call
+
     with torch.device("meta"):
         llama = Llama(get_model_config("tiny"))
-        container = GPT(GPTConfig())  # blocks is an nn.ModuleList: callable, but not a method to call
-    assert len(blocks_of(container)) == GPTConfig().n_layers
+        gpt = GPT(GPTConfig())
+    container = Container()
+    assert blocks_of(container) == list(container.blocks)
+    assert blocks_of(gpt) == gpt.blocks() and len(gpt.blocks()) == GPTConfig().n_layers
     assert blocks_of(llama) == llama.blocks()
     assert blocks_of(nn.Linear(2, 2)) == []

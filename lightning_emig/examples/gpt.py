@@ -74,25 +74,59 @@ class Block(nn.Module):
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
-class GPT(nn.Module):
+class Embeddings(nn.Module):
+    """Token and position embeddings: what the first pipeline stage holds before its blocks."""
+
     def __init__(self, c: GPTConfig) -> None:
         super().__init__()
-        self.config = c
         self.tok = nn.Embedding(c.vocab_size, c.d_model)
         self.pos = nn.Embedding(c.seq_len, c.d_model)
-        self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layers))
-        self.ln_f = nn.LayerNorm(c.d_model)
-        self.head = nn.Linear(c.d_model, c.vocab_size, bias=False)
-        # Persistent: part of the state dict, so it moves with every change (and is checked by the tests).
-        self.register_buffer("tokens_seen", torch.zeros((), dtype=torch.int64))
         # Not persistent: rebuilt by init_buffers whenever configure_model builds the model.
         self.register_buffer("positions", torch.arange(c.seq_len), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok(tokens) + self.pos(self.positions[: tokens.shape[1]])
-        for block in self.blocks:
+        return self.tok(tokens) + self.pos(self.positions[: tokens.shape[1]])
+
+
+class GPT(nn.Module):
+    """Named the way pipeline stages are cut (``embeddings`` first, ``layers.<i>``, the rest last; see
+    ``keep_stage``): the same names under every layout, so each tensor has one key wherever it moves."""
+
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.config = c
+        self.embeddings: Embeddings | None = Embeddings(c)
+        self.layers = nn.ModuleDict({str(i): Block(c) for i in range(c.n_layers)})
+        self.ln_f: nn.LayerNorm | None = nn.LayerNorm(c.d_model)
+        self.head: nn.Linear | None = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        # Persistent: part of the state dict, so it moves with every change (and is checked by the tests). A buffer
+        # of the root: every pipeline stage keeps (and updates) it.
+        self.register_buffer("tokens_seen", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Whole, it maps tokens to logits; cut to a pipeline stage, it runs the parts it kept (a later stage gets
+        # the previous stage's activations, an earlier one returns its own).
+        if self.embeddings is not None:
+            x = self.embeddings(x)
+        for block in self.layers.values():
             x = block(x)
+        if self.head is None:
+            return x
         return self.head(self.ln_f(x))
+
+    def blocks(self) -> list[nn.Module]:
+        """The transformer blocks: one FSDP2 unit each, and what pipeline stages are made of."""
+        return list(self.layers.values())
+
+    def keep_stage(self, blocks: range, *, first: bool, last: bool) -> None:
+        """Cut down, in place, to one pipeline stage: ``blocks``, the embeddings if ``first``, the head if ``last``."""
+        for name in list(self.layers):
+            if int(name) not in blocks:
+                del self.layers[name]
+        if not first:
+            self.embeddings = None
+        if not last:
+            self.ln_f = self.head = None
 
     def init_full_parameter(self, name: str, full: torch.Tensor, generator: torch.Generator) -> None:
         """The full value of each parameter, from its own generator: the same weights under every layout."""
@@ -105,14 +139,15 @@ class GPT(nn.Module):
 
     def init_buffers(self) -> None:
         self.tokens_seen.zero_()
-        self.positions.copy_(torch.arange(self.config.seq_len))
+        if self.embeddings is not None:
+            self.embeddings.positions.copy_(torch.arange(self.config.seq_len))
 
 
 #: Megatron-style tensor parallelism in torch's own ``parallelize_module`` form: q/k/v and the first FFN layer split
 #: by output columns, the projections after them by input rows (one all-reduce each); the rest is replicated.
 TP_PLAN = {
-    "blocks.*.attn.q": ColwiseParallel(), "blocks.*.attn.k": ColwiseParallel(), "blocks.*.attn.v": ColwiseParallel(),
-    "blocks.*.attn.proj": RowwiseParallel(), "blocks.*.fc": ColwiseParallel(), "blocks.*.out": RowwiseParallel(),
+    "layers.*.attn.q": ColwiseParallel(), "layers.*.attn.k": ColwiseParallel(), "layers.*.attn.v": ColwiseParallel(),
+    "layers.*.attn.proj": RowwiseParallel(), "layers.*.fc": ColwiseParallel(), "layers.*.out": RowwiseParallel(),
 }
 
 
@@ -147,6 +182,8 @@ class GPTModule(pl.LightningModule):
         for what, size in (("heads", self.model_config.n_heads), ("FFN width", self.model_config.d_ff)):
             if size % layout.tp:
                 raise LayoutError(f"tp={layout.tp} does not divide the model's {what} ({size})")
+        if layout.pp > self.model_config.n_layers:
+            raise LayoutError(f"pp={layout.pp} is more stages than the model's {self.model_config.n_layers} blocks")
 
     def configure_model(self) -> None:
         if self.model is not None:  # the strategy sets it to None whenever the layout changes
@@ -154,7 +191,8 @@ class GPTModule(pl.LightningModule):
         strategy = self.trainer.strategy
         with torch.device("meta"):
             model = GPT(self.model_config)
-        parallelize_model(model, strategy.layout_mesh, tp_plan=TP_PLAN, blocks=list(model.blocks))
+        # Under pp > 1 this cuts the model to this process's stage first (its keep_stage), then TP and FSDP2.
+        parallelize_model(model, strategy.layout_mesh, tp_plan=TP_PLAN)
         if strategy.migrating:  # a change fills every parameter and persistent buffer: don't initialise
             materialize_empty(model, strategy.root_device)
         else:
@@ -172,8 +210,10 @@ class GPTModule(pl.LightningModule):
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        # The mean over every rank is the global batch's mean (tensor-parallel peers hold equal losses).
-        mean = self.trainer.strategy.reduce(torch.stack(self._micro_losses).mean(), reduce_op="mean")
+        # The global batch's mean loss, on every rank. Under pipeline stages only the last stage ran training_step:
+        # elsewhere there is no loss of our own (None), and the strategy hands out the last stage's.
+        local = torch.stack(self._micro_losses).mean() if self._micro_losses else None
+        mean = self.trainer.strategy.step_loss(local)
         self._micro_losses.clear()
         self.step_losses[self.trainer.global_step] = float(mean)
         self.log("train/loss", float(mean), prog_bar=True, rank_zero_only=True)
@@ -202,6 +242,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (kept when the world allows)")
     parser.add_argument("--dp-replicate", type=int, default=1, help="2: HSDP, each replica a whole copy")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (kept when the world allows)")
+    parser.add_argument("--pipeline-schedule", choices=("gpipe", "1f1b"), default="gpipe")
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--checkpoint-every", type=int, default=10, help="periodic checkpoint interval (steps)")
     parser.add_argument("--ledger", action="store_true", help="record every sample trained on (data ledger)")
@@ -217,7 +259,8 @@ def main(argv: list[str] | None = None) -> None:
     config = GPTConfig()
     pl.seed_everything(args.seed, workers=True)
     strategy = ElasticMigrationStrategy(
-        layout=HybridLayout(dp_replicate=args.dp_replicate, dp_shard=-1, tp=args.tp),
+        layout=HybridLayout(dp_replicate=args.dp_replicate, dp_shard=-1, tp=args.tp, pp=args.pp),
+        pipeline_schedule=args.pipeline_schedule,
         global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
         timeout=timedelta(seconds=60), seed=args.seed, async_checkpoints=True,
         failure=FailureSettings(heartbeat_interval_s=0.5, heartbeat_timeout_s=args.heartbeat_timeout),
@@ -240,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
         summary = {"step_losses": {str(k): v for k, v in sorted(module.step_losses.items())},
                    "tokens_seen": int(module.model.tokens_seen), "pid": os.getpid(),
                    "events": [e.as_dict() for e in strategy.events], "layout": strategy.layout.as_dict()}
+        args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
 
 

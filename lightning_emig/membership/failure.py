@@ -60,7 +60,7 @@ from lightning_emig.launcher.generation import (
 from lightning_emig.launcher.heartbeat import HeartbeatWatch
 from lightning_emig.membership.group import enter_generation
 from lightning_emig.membership.handoff import LiveHandoff
-from lightning_emig.migration.change import allocate_shards, execute_change
+from lightning_emig.migration.change import allocate_shards, device_of, execute_change, whole_state_specs
 from lightning_emig.migration.engine import MigrationFailedError
 from lightning_emig.migration.planner import IdentityMap, ProcessInfo, StateLostError
 from lightning_emig.migration.state import release_storage
@@ -380,7 +380,8 @@ def _rebuild_from_replicas(
     started = time.perf_counter()
     assert stash.state is not None
     new_rank = survivors.index(rank)
-    new_state = allocate_shards(stash.state, new_layout, new_rank)
+    specs = whole_state_specs({k: t.spec for k, t in stash.state.items()}, old_layout, new_layout)
+    new_state = allocate_shards(specs, new_layout, new_rank, device_of(stash.state))
     identity = IdentityMap(
         tuple(ProcessInfo(pid=new, node=None, old_rank=old, new_rank=new) for new, old in enumerate(survivors)),
         old_world, len(survivors),

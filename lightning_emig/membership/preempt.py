@@ -39,7 +39,7 @@ from lightning_emig.launcher.generation import (
 )
 from lightning_emig.membership.admission import commit_generation, joiners_ready, publish_holders_generation
 from lightning_emig.membership.handoff import LiveHandoff
-from lightning_emig.migration.change import allocate_shards, execute_change
+from lightning_emig.migration.change import allocate_shards, device_of, execute_change, whole_state_specs
 from lightning_emig.migration.planner import IdentityMap, ProcessInfo
 from lightning_emig.migration.state import release_storage
 
@@ -157,7 +157,9 @@ def drain_leavers(trainer: pl.Trainer, client: Any, handoff: LiveHandoff) -> Liv
     started = time.perf_counter()
     old_state = handoff.state
     assert old_state is not None
-    new_state = allocate_shards(old_state, new_layout, my_new_rank) if my_new_rank is not None else None
+    specs = whole_state_specs({k: t.spec for k, t in old_state.items()}, old_layout, new_layout)
+    new_state = (allocate_shards(specs, new_layout, my_new_rank, device_of(old_state))
+                 if my_new_rank is not None else None)
     identity = IdentityMap(
         tuple(ProcessInfo(pid=r, node=node_of[r], old_rank=r, new_rank=new_rank_of.get(r)) for r in range(old_world)),
         old_world, new_world,

@@ -155,8 +155,6 @@ def layout_for_new_world(requested: HybridLayout, world_size: int) -> HybridLayo
 def validate_layout_for_module(module: Any, layout: HybridLayout) -> None:
     """Refuse ``layout`` by what the module declares: its ``validate_layout(layout)`` raises for a layout its model
     cannot be split by. A module that declares nothing is not checked (said once per class)."""
-    if layout.pp > 1:
-        raise NotImplementedError(f"pipeline parallelism (pp>1) is not yet supported; got {layout.describe()}")
     validate = getattr(module, "validate_layout", None)
     if callable(validate):
         validate(layout)

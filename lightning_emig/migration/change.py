@@ -12,12 +12,14 @@ them calls :func:`execute_change` with those, on every process of the group that
    rolled back, the nodes that left or died. It is what the event reports and what a handoff carries into the next
    fit when the state moved before it (no dict between modules).
 
-:func:`allocate_shards` gives the plain buffers for a rank's new shards from the geometry alone (no mesh, no model).
+:func:`allocate_shards` gives the plain buffers for a rank's new shards from the geometry alone (no mesh, no model);
+:func:`whole_state_specs` says what the whole state is where each process holds only its pipeline stage's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -25,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_emig.layout import HybridLayout
-from lightning_emig.migration.engine import migrate
+from lightning_emig.migration.engine import migrate, union_specs
 from lightning_emig.migration.planner import IdentityMap
-from lightning_emig.migration.state import StateTensor
+from lightning_emig.migration.state import ShardingSpec, StateTensor
 from lightning_emig.migration.transfer import TransferOptions
 
 ChangeKind = Literal["reconfigure", "join", "preempt", "failure"]
@@ -101,12 +103,27 @@ def execute_change(
     )
 
 
-def allocate_shards(like: dict[str, StateTensor], layout: HybridLayout, rank: int) -> dict[str, StateTensor]:
-    """Plain local buffers for ``rank``'s shards of every tensor of ``like`` under ``layout`` (no mesh needed)."""
+def allocate_shards(specs: Mapping[str, ShardingSpec], layout: HybridLayout, rank: int,
+                    device: torch.device | str = "cpu") -> dict[str, StateTensor]:
+    """Plain local buffers for ``rank``'s shards of every tensor ``specs`` names under ``layout`` (no mesh needed)."""
     out = {}
-    for key, tensor in like.items():
-        holding = tensor.spec.on(layout).holding_of_rank(rank)
+    for key, spec in specs.items():
+        holding = spec.on(layout).holding_of_rank(rank)
         shape = holding.local_shape if holding is not None else (0,)
-        out[key] = StateTensor(key, tensor.spec, torch.empty(shape, dtype=tensor.spec.dtype,
-                                                             device=tensor.local.device))
+        out[key] = StateTensor(key, spec, torch.empty(shape, dtype=spec.dtype, device=device))
     return out
+
+
+def whole_state_specs(own: Mapping[str, ShardingSpec] | None, old_layout: HybridLayout,
+                      new_layout: HybridLayout) -> dict[str, ShardingSpec]:
+    """The spec of every tensor of the state from this process's ``own``. A process holds them all, except where a
+    layout has pipeline stages (a stage holds its own tensors only): there, the union over every process of the
+    default group (a collective: every process calls it, ``own`` None where it holds nothing)."""
+    if old_layout.pp > 1 or new_layout.pp > 1:
+        return union_specs(dict(own or {}), None)
+    return dict(own or {})
+
+
+def device_of(state: Mapping[str, StateTensor]) -> torch.device:
+    """Where a state's tensors live (the CPU for an empty one)."""
+    return next((t.local.device for t in state.values()), torch.device("cpu"))

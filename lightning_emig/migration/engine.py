@@ -192,8 +192,9 @@ def migrate(
                            total_bytes_copied=copied)
 
 
-def _union_specs(specs: dict[str, ShardingSpec] | None, group: dist.ProcessGroup | None) -> dict[str, ShardingSpec]:
-    """Every process's specs, merged (a key two processes hold must have the same spec on both)."""
+def union_specs(specs: dict[str, ShardingSpec] | None, group: dist.ProcessGroup | None) -> dict[str, ShardingSpec]:
+    """Every process's specs, merged (a key two processes hold must have the same spec on both); a collective of
+    ``group``."""
     gathered: list[dict[str, ShardingSpec] | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, specs, group=group)
     union: dict[str, ShardingSpec] = {}
@@ -214,7 +215,7 @@ def _agreed_specs(
     old_specs = {k: t.spec for k, t in old_state.items()} if old_state else None
     new_specs = {k: t.spec for k, t in new_state.items()} if new_state else None
     if old_layout.pp > 1 or new_layout.pp > 1:
-        return _union_specs(old_specs, group), _union_specs(new_specs, group)
+        return union_specs(old_specs, group), union_specs(new_specs, group)
     if all(p.old_rank is not None and p.new_rank is not None for p in identity.processes):
         assert old_specs is not None and new_specs is not None
         return old_specs, new_specs

@@ -9,7 +9,8 @@ micro-batches' activations in flight). With a small vocabulary this is the even 
 stages fewer blocks.
 
 Names: ``layers.<i>.`` anywhere in a name puts it in block ``i``; a component in ``first_stage`` (the embedding)
-puts it on stage 0; everything else goes to the last stage.
+puts it on stage 0; a buffer of the model's root module (``StageSplit.shared``: cutting a model to a stage keeps
+it, e.g. a step counter) is held by every stage; everything else goes to the last stage.
 """
 
 from __future__ import annotations
@@ -122,11 +123,15 @@ class StageSplit:
     block_costs: tuple[int, ...]
     first_extra: int
     last_extra: int
+    shared: tuple[str, ...] = ()
+    """Names of the root module's own buffers, sorted: every stage keeps them, so every stage holds them. (A tuple:
+    the specs' ``repr`` must read the same in every process, a frozenset's order varies with the hash seed.)"""
 
     @classmethod
-    def by_name(cls, named_sizes: Iterable[tuple[str, int]], n_layers: int) -> StageSplit:
+    def by_name(cls, named_sizes: Iterable[tuple[str, int]], n_layers: int,
+                shared: Iterable[str] = ()) -> StageSplit:
         costs, first, last = stage_costs_by_name(named_sizes, n_layers)
-        return cls(tuple(costs), first, last)
+        return cls(tuple(costs), first, last, tuple(sorted(shared)))
 
     def ranges(self, pp: int) -> tuple[range, ...]:
         return _split_of(self, pp)
@@ -140,20 +145,27 @@ def _split_of(split: StageSplit, pp: int) -> tuple[range, ...]:
 @dataclass(frozen=True, slots=True)
 class StageOwner:
     """Which stage holds a tensor under any ``pp``: its block (``None`` outside the blocks), whether it belongs to
-    the first stage (the embedding), and the whole model's split. Tensors of one block share one owner."""
+    the first stage (the embedding) or to every stage (a root buffer), and the whole model's split. Tensors of one
+    block share one owner."""
 
     block: int | None
     first: bool
     split: StageSplit
+    every: bool = False
 
     @classmethod
     def of(cls, name: str, split: StageSplit, *, first_stage: Sequence[str] = FIRST_STAGE_NAMES) -> StageOwner:
+        if name in split.shared:
+            return cls(None, False, split, every=True)
         block = block_of(name)
         if block is not None and block >= len(split.block_costs):
             raise GeometryError(f"{name!r} names layer {block} but the model has {len(split.block_costs)} layers")
         return cls(block, block is None and any(part in first_stage for part in name.split(".")), split)
 
-    def stage(self, pp: int) -> int:
+    def stage(self, pp: int) -> int | None:
+        """The stage holding the tensor among ``pp`` (None: every stage holds a copy)."""
+        if self.every:
+            return None
         if self.block is not None:
             return next(stage for stage, blocks in enumerate(self.split.ranges(pp)) if self.block in blocks)
         return 0 if self.first else pp - 1

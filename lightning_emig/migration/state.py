@@ -131,15 +131,36 @@ def local_of(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def stage_split_of(model: torch.nn.Module) -> StageSplit | None:
-    """The whole model's stage split: recorded on a model cut to one stage (``pipeline_split``), else computed from
-    a model with ``blocks()``; None for a model without blocks (it cannot be pipelined)."""
-    recorded = getattr(model, "pipeline_split", None)
-    if recorded is not None:
-        return recorded
-    blocks = getattr(model, "blocks", None)
-    if not callable(blocks):
+    """The stage split of the model ``model`` is or holds (a LightningModule holds one), named as in ``model``:
+    recorded on a model cut to one stage (``pipeline_split``), else computed from a model with ``blocks()``; None
+    where there is no model with blocks (it cannot be pipelined)."""
+    found = _splittable(model)
+    if found is None:
         return None
-    return StageSplit.by_name(((name, p.numel()) for name, p in model.named_parameters()), len(blocks()))
+    prefix, inner = found
+    split = getattr(inner, "pipeline_split", None) or whole_model_split(inner)
+    return dataclasses.replace(split, shared=tuple(prefix + name for name in split.shared)) if prefix else split
+
+
+def whole_model_split(model: torch.nn.Module) -> StageSplit:
+    """The split of a whole (uncut) model with ``blocks()``: its parameter counts by name, its root buffers shared."""
+    own_parameters = {name for name, _ in model.named_parameters(recurse=False)}
+    root_buffers = [name for name in model.state_dict(keep_vars=True) if "." not in name and name not in own_parameters]
+    return StageSplit.by_name(((name, p.numel()) for name, p in model.named_parameters()), len(model.blocks()),
+                              shared=root_buffers)
+
+
+def holds_stage(model: torch.nn.Module) -> bool:
+    """``model`` is, or holds, a model cut to one pipeline stage."""
+    return any(getattr(m, "pipeline_split", None) is not None for m in model.modules())
+
+
+def _splittable(model: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
+    """The outermost module (and its name prefix) that is cut into a stage or has ``blocks()``."""
+    for name, module in model.named_modules():
+        if getattr(module, "pipeline_split", None) is not None or callable(getattr(module, "blocks", None)):
+            return (name + "." if name else ""), module
+    return None
 
 
 def _owned(spec: ShardingSpec, name: str, split: StageSplit | None) -> ShardingSpec:
@@ -211,7 +232,7 @@ def allocate_optimizer_state(
         if kind != "optim":
             continue
         name, state_name = rest.rsplit("/", 1)
-        if name not in params and getattr(model, "pipeline_split", None) is not None:
+        if name not in params and holds_stage(model):
             continue  # a pipeline stage holds the state of its own parameters only
         param = params[name]
         if spec.global_shape == ():

@@ -135,9 +135,10 @@ def at_least_float32(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` of shape ``[B, T, heads, head_dim]`` (rotate-half convention)."""
+    """Rotate ``x`` of shape ``[B, T, heads, head_dim]`` by the first ``T`` rows of the tables (rotate-half)."""
     first, second = at_least_float32(x).chunk(2, dim=-1)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    seq = x.shape[1]
+    cos, sin = cos[None, :seq, None, :], sin[None, :seq, None, :]
     rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
     return rotated.type_as(x)
 
@@ -231,12 +232,12 @@ class Llama(nn.Module):
         seq = tokens.shape[1]
         if seq > self.config.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.config.max_seq_len}")
-        # A pipeline stage without the embedding receives the previous stage's hidden states; one without the
-        # head returns its own (see keep_stage).
+        # A pipeline stage without the embedding receives the previous stage's hidden states (under sequence
+        # parallelism, its slice of the sequence: attention takes the tables' rows for the whole one); one without
+        # the head returns its own (see keep_stage).
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         for block in self.layers.values():
-            h = block(h, cos, sin)
+            h = block(h, self.rope_cos, self.rope_sin)
         if self.output is None:
             return h
         return self.output(self.norm(h))

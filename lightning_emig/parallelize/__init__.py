@@ -6,7 +6,7 @@ Invariants:
   the model's own ``tensor_parallel_plan()`` / ``blocks()`` when it offers them);
 * the order is fixed: validate the layout against the model, tensor parallelism, then FSDP2 — FSDP2 must see the
   TP DTensors to shard them further (and produces ``_StridedShard`` placements on TP-sharded dim 0);
-* pipeline parallelism is refused loudly until it exists;
+* with ``pp > 1`` the model is first cut to this process's pipeline stage (:mod:`~lightning_emig.parallelize.pipeline`);
 * the model is transformed in place and returned, its parameter names unchanged.
 """
 
@@ -68,6 +68,9 @@ def parallelize_model(
         tp_plan = model.tensor_parallel_plan()  # type: ignore[operator]
     if blocks is None:
         blocks = blocks_of(model)
+    elif layout.pp > 1:  # blocks listed before the cut: FSDP2 wraps the ones this stage kept
+        kept = {id(m) for m in model.modules()}
+        blocks = [block for block in blocks if id(block) in kept]
     apply_tensor_parallel(model, layout_mesh[MeshAxis.TP], tp_plan, blocks)
     apply_fsdp(model, layout_mesh, blocks=blocks, mp_policy=mp_policy)
     return model

@@ -28,6 +28,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
@@ -46,7 +48,7 @@ from lightning_emig.launcher.generation import (
 )
 from lightning_emig.launcher.heartbeat import start_heartbeat
 from lightning_emig.launcher.orphans import die_with_parent
-from lightning_emig.layout import HybridLayout, LayoutMesh, build_mesh
+from lightning_emig.layout import HybridLayout, LayoutMesh, MeshAxis, build_mesh
 from lightning_emig.membership.admission import LeftOutError, await_admission, memory_to_warm
 from lightning_emig.membership.failure import FailureSettings
 from lightning_emig.membership.group import (
@@ -69,6 +71,7 @@ from lightning_emig.strategy.boundary import (
 from lightning_emig.strategy.elastic_fit import ElasticFitLauncher, treat_step_as_saved
 from lightning_emig.strategy.events import publish_event
 from lightning_emig.strategy.live_join import join_live
+from lightning_emig.strategy.pipeline import PipelineDriver, PipelineError, check_schedule
 from lightning_emig.strategy.reconfigure import ReconfigureEvent, check_rebuilt, reconfigure_live
 from lightning_emig.strategy.rendezvous import RendezvousCallback
 from lightning_emig.strategy.resume import check_checkpoint_matches, restart_reason
@@ -108,6 +111,8 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         picker: Choose each world's layout, the first one included, with the layout picker
             (:class:`~lightning_emig.picker.policy.LayoutPicker`); ``layout`` is then ignored. None: each new world
             keeps the requested ``tp``/``pp``/``dp_replicate`` where they divide it, else pure FSDP.
+        pipeline_schedule: Under ``pp > 1``: ``"gpipe"`` or ``"1f1b"`` (1F1B needs at least ``pp`` micro-batches
+            per step); the strategy runs it (:mod:`lightning_emig.strategy.pipeline`).
     """
 
     def __init__(
@@ -124,6 +129,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         failure: FailureSettings | None = None,
         async_checkpoints: bool = False,
         picker: LayoutPicker | None = None,
+        pipeline_schedule: str = "gpipe",
     ) -> None:
         super().__init__(
             data_parallel_size=1,
@@ -182,6 +188,9 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         self.picker = picker
         self.layout_choice: LayoutChoice | None = None
         """How this fit's layout was chosen (the picker's explanation goes into the next event's record)."""
+        check_schedule(pipeline_schedule, pp=1, micro_batches=1)
+        self.pipeline_schedule = pipeline_schedule
+        self._pipeline: PipelineDriver | None = None
 
     # ------------------------------------------------------------------ layout
     @property
@@ -250,8 +259,14 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             requested_layout=self._requested_layout, global_batch_size=self.global_batch_size,
             micro_batch_size=self.micro_batch_size,
             transfer=TransferOptions(bucket_bytes=self.bucket_bytes, checksum=self.checksum),
-            validate_layout=lambda layout: validate_layout_for_module(module, layout), picker=self.picker,
+            validate_layout=lambda layout: self._validate_layout(module, layout), picker=self.picker,
         )
+
+    def _validate_layout(self, module: Any, layout: HybridLayout) -> None:
+        validate_layout_for_module(module, layout)
+        if layout.pp > 1:
+            plan = BatchPlan(self.global_batch_size, self.micro_batch_size, layout.dp)
+            check_schedule(self.pipeline_schedule, layout.pp, plan.grad_accumulation)
 
     # ------------------------------------------------------------- lifecycle
     @override
@@ -382,6 +397,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
 
     def install_mesh(self, layout_mesh: LayoutMesh, plan: BatchPlan) -> None:
         self._layout_mesh = layout_mesh
+        self._pipeline = None  # the stage is built anew for the new layout
         self._device_mesh = layout_mesh.root
         self._batch_plan = plan
         assert self.lightning_module is not None
@@ -509,9 +525,59 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         if loader not in self._loaders:
             self._loaders.append(loader)
 
+    # -------------------------------------------------------------- stages
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.layout.pp == 1:
+            return super().training_step(*args, **kwargs)
+        with self.precision_plugin.train_step_context():
+            return self._pipeline_driver().training_step(*args)
+
+    def _pipeline_driver(self) -> PipelineDriver:
+        if self._pipeline is None:
+            module = self.lightning_module
+            assert module is not None
+            self._pipeline = PipelineDriver(
+                module, self.layout_mesh, micro_batches=self.batch_plan.grad_accumulation,
+                schedule=self.pipeline_schedule, training_step=module.training_step, device=self.root_device,
+            )
+        return self._pipeline
+
+    @override
+    def backward(self, closure_loss: Any, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Any:
+        if self.layout.pp > 1:  # the schedule ran backward with the step's last micro-batch
+            return closure_loss
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.layout.pp > 1:
+            raise NotImplementedError("validation under pp > 1 is not built: validate with a layout without "
+                                      "pipeline stages (or set Trainer(limit_val_batches=0))")
+        return super().validation_step(*args, **kwargs)
+
+    def step_loss(self, local_mean: torch.Tensor | None) -> torch.Tensor:
+        """The global batch's mean loss, the same on every rank, from this rank's mean over its micro-batches
+        (``None`` where it computed none: a pipeline stage before the last). Averaged over the data-parallel
+        ranks (tensor-parallel peers hold equal losses); under ``pp > 1`` taken from the last stage."""
+        layout_mesh = self.layout_mesh
+        last_stage = self.layout.pp == 1 or layout_mesh[MeshAxis.PP].get_local_rank() == self.layout.pp - 1
+        if last_stage and local_mean is None:
+            raise ValueError("step_loss needs this rank's mean loss: it computed the step's losses")
+        mean = local_mean.detach().float().clone() if last_stage else torch.zeros(())
+        if last_stage:
+            dist.all_reduce(mean, group=layout_mesh.dp.get_group())
+            mean /= self.layout.dp
+        if self.layout.pp > 1:
+            dist.broadcast(mean, group=layout_mesh[MeshAxis.PP].get_group(), group_src=self.layout.pp - 1)
+        return mean
+
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._pipeline is not None and self._pipeline.pending:
+            raise PipelineError(f"the optimizer stepped with {self._pipeline.pending} of the step's micro-batches not "
+                                "yet run through the pipeline (Lightning's accumulation and the batch plan disagree)")
         # One optimizer step consumed one global batch, whatever the layout.
         for loader in self._loaders:
             loader.stream.commit_step()
@@ -680,6 +746,8 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        if self._pipeline is not None:
+            self._pipeline.reset()  # a step cut short by a peer's failure left part of its micro-batches
         _terminate_on_sigterm_under_torchrun()  # Lightning registered its own handler just before this fit
 
     @override

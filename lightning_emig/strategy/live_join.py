@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from lightning_emig.layout import HybridLayout
 from lightning_emig.membership.handoff import LiveHandoff
-from lightning_emig.migration.change import ChangeRecord, execute_change
+from lightning_emig.migration.change import ChangeRecord, execute_change, whole_state_specs
 from lightning_emig.migration.planner import IdentityMap, ProcessInfo
 from lightning_emig.migration.state import ShardingSpec, allocate_optimizer_state, training_state
 from lightning_emig.strategy.boundary import rescale_batch_progress
@@ -109,7 +109,11 @@ def join_live(
     assert module is not None
     optimizer = strategy.optimizers[0]
     new_state = training_state(module, None)
-    new_state.update(allocate_optimizer_state(module, optimizer, news.optimizer_template))
+    template = news.optimizer_template
+    if old_layout.pp > 1 or strategy.layout.pp > 1:  # each old stage holds its own parameters' state only
+        template = whole_state_specs(handoff.optimizer_template if handoff is not None else None, old_layout,
+                                     strategy.layout)
+    new_state.update(allocate_optimizer_state(module, optimizer, template))
     strategy.live_transfer_started = True  # from here a failure may leave the handoff's state partly released
     record = execute_change(
         kind="join", step=int(news.metadata["global_step"]), old_state=handoff.state if handoff is not None else None,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lightning_emig.layout import HybridLayout, build_mesh
-from lightning_emig.migration.change import ChangeRecord, execute_change
+from lightning_emig.migration.change import ChangeRecord, execute_change, whole_state_specs
 from lightning_emig.migration.planner import IdentityMap
 from lightning_emig.migration.state import allocate_optimizer_state, training_state
 from lightning_emig.strategy.progress import show_migration
@@ -128,7 +128,8 @@ def reconfigure_live(
     strategy.setup_optimizers(trainer)
     new_optimizer = strategy.optimizers[0]
     new_state = training_state(module, None)
-    optim_template = {k: t.spec for k, t in old_state.items() if k.startswith("optim/")}
+    optim_template = whole_state_specs({k: t.spec for k, t in old_state.items() if k.startswith("optim/")},
+                                       old_layout, new_layout)
     new_state.update(allocate_optimizer_state(module, new_optimizer, optim_template))
     timer.lap("optimizers")
 

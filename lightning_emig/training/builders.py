@@ -74,6 +74,7 @@ def build_strategy(cfg: TrainConfig, run_dir: Path | None = None) -> ElasticMigr
         failure=failure_settings(cfg),
         async_checkpoints=cfg.trainer.checkpoint_async,
         picker=layout_picker(cfg, run_dir),
+        pipeline_schedule=cfg.trainer.pipeline_schedule,
     )
 
 

@@ -122,15 +122,14 @@ class LlamaLightningModule(pl.LightningModule):
         self.log("trainer/step", float(self.trainer.global_step), on_step=True, rank_zero_only=True)
 
     def _global_batch_loss(self) -> float:
-        assert self._loss_sum is not None and self._micro_batches > 0
-        mean = self._loss_sum / self._micro_batches
-        if dist.is_initialized():
-            # Tensor-parallel peers hold the same loss; averaging over the dp axis gives the global mean.
-            dp_group = self.trainer.strategy.layout_mesh.dp.get_group()
-            dist.all_reduce(mean, op=dist.ReduceOp.SUM, group=dp_group)
-            mean = mean / dist.get_world_size(dp_group)
+        # Under pipeline stages only the last computed losses: None elsewhere (the strategy sends the mean to all).
+        local = self._loss_sum / self._micro_batches if self._micro_batches else None
         self._loss_sum, self._micro_batches = None, 0
-        return float(mean)
+        step_loss = getattr(self.trainer.strategy, "step_loss", None)
+        if dist.is_initialized() and step_loss is not None:
+            return float(step_loss(local))
+        assert local is not None, "no micro-batch loss was computed for this step"
+        return float(local)
 
     @override
     def configure_optimizers(self) -> Any:
