@@ -69,7 +69,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, float]:
 
 
 def _start(tmp_path: Path, name: str, addr: str, port: int, *, layout: list[str], hosts_store: bool,
-           max_restarts: int = 0, hold_steps: str = "", etcd: str | None = None) -> subprocess.Popen:
+           max_restarts: int = 0, hold_steps: str = "", etcd: str | None = None, processes: int = 1
+           ) -> subprocess.Popen:
     """One node; with ``etcd`` (a server's host:port) the rendezvous is etcd-v2's and no node hosts a store."""
     env = {"LIGHTNING_EMIG_TEST_RUN_MODULE": EXAMPLE, "LIGHTNING_EMIG_TEST_HOLD_DIR": str(tmp_path),
            "LIGHTNING_EMIG_TEST_HOLD_STEPS_FOR_JOINERS": "1", "LIGHTNING_EMIG_TEST_HOLD_AT_STEPS": hold_steps}
@@ -78,7 +79,7 @@ def _start(tmp_path: Path, name: str, addr: str, port: int, *, layout: list[str]
     return start_node(tmp_path, name, local_addr=addr, port=port, run_dir=tmp_path / "run", rdzv_id="user-script",
                       train_args=[*ARGS, "--ledger", *layout], nnodes="1:2", env=env, max_restarts=max_restarts,
                       module="lightning_emig.testing.held_train", run_dir_args=["--out", str(tmp_path / "run")],
-                      **backend)
+                      nproc_per_node=processes, **backend)
 
 
 def _held_at(tmp_path: Path, step: int, agents: dict[str, subprocess.Popen], *names: str) -> None:
@@ -126,13 +127,34 @@ def _print_events(events: list[dict]) -> None:
 
 @pytest.mark.timeout(420)
 def test_the_script_survives_a_join_and_a_preemption_in_one_fit_call(tmp_path: Path, reference: dict) -> None:
+    checked = _join_then_preempt(tmp_path, reference, layout=[], processes=1)
+    assert [(e["kind"], e["old_world"], e["new_world"]) for e in checked["events"]] == [("join", 1, 2),
+                                                                                       ("preempt", 2, 1)]
+    assert set(checked["ledger"].dp_degrees.values()) == {1, 2}
+
+
+@pytest.mark.timeout(420)
+def test_with_pipeline_stages_the_script_survives_a_join_and_a_preemption(tmp_path: Path, reference: dict) -> None:
+    # Two processes per node, two stages: pp2 on A, pp2 x dp_shard 2 once B joins, pp2 again once B has left.
+    checked = _join_then_preempt(tmp_path, reference, layout=["--pp", "2"], processes=2)
+    assert [(e["kind"], e["old_world"], e["new_world"]) for e in checked["events"]] == [("join", 2, 4),
+                                                                                       ("preempt", 4, 2)]
+    assert [e["new_layout"] for e in checked["events"]] == [
+        {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 2}, {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 2}]
+    assert set(checked["ledger"].dp_degrees.values()) == {1, 2}
+
+
+def _join_then_preempt(tmp_path: Path, reference: dict, *, layout: list[str], processes: int) -> dict:
+    """A trains; B joins at step 20 and is preempted (with notice) at step 60; the run's invariants hold."""
     port = free_port()
     agents: dict[str, subprocess.Popen] = {}
     try:
-        agents["a"] = _start(tmp_path, "a", "127.0.0.2", port, layout=[], hosts_store=True, hold_steps="20,60")
+        agents["a"] = _start(tmp_path, "a", "127.0.0.2", port, layout=layout, hosts_store=True, hold_steps="20,60",
+                             processes=processes)
         _held_at(tmp_path, 20, agents)
-        agents["b"] = _start(tmp_path, "b", "127.0.0.3", port, layout=[], hosts_store=False)
-        wait_for(lambda: "world 2 on 2 node(s)" in _log(tmp_path, "a", 100000), 120, "B's round was not published")
+        agents["b"] = _start(tmp_path, "b", "127.0.0.3", port, layout=layout, hosts_store=False, processes=processes)
+        wait_for(lambda: f"world {2 * processes} on 2 node(s)" in _log(tmp_path, "a", 100000), 120,
+                 "B's round was not published")
         _release(tmp_path, 20)  # A waits for B's worker to be ready, then both go into the new generation
         _held_at(tmp_path, 60, agents)
         a_workers = [p for p in descendants(agents["a"].pid) if is_alive(p)]
@@ -146,11 +168,9 @@ def test_the_script_survives_a_join_and_a_preemption_in_one_fit_call(tmp_path: P
     finally:
         stop_agents(agents)
     checked = _check_run(tmp_path, reference, a_workers)
-    kinds = [(e["kind"], e["old_world"], e["new_world"]) for e in checked["events"]]
-    assert kinds == [("join", 1, 2), ("preempt", 2, 1)], checked["events"]
     assert checked["ledger"].rolled_back_steps == [], checked["ledger"].describe()
-    assert set(checked["ledger"].dp_degrees.values()) == {1, 2}
     _print_events(checked["events"])
+    return checked
 
 
 @pytest.mark.timeout(420)

@@ -22,9 +22,10 @@ def start_node(
     log_dir: Path, name: str, *, local_addr: str, port: int, run_dir: Path, train_args: Sequence[str],
     nnodes: str = "1:2", rdzv_id: str = "live-train", rdzv_conf: str = "", env: Mapping[str, str] | None = None,
     max_restarts: int = 0, module: str = "lightning_emig.train", run_dir_args: Sequence[str] | None = None,
-    rdzv_backend: str = "c10d", rdzv_endpoint: str | None = None,
+    rdzv_backend: str = "c10d", rdzv_endpoint: str | None = None, nproc_per_node: int = 1,
 ) -> subprocess.Popen:
-    """One agent with one worker running ``python -m lightning_emig.train *train_args`` into ``run_dir``.
+    """One agent with ``nproc_per_node`` workers running ``python -m lightning_emig.train *train_args`` into
+    ``run_dir``.
 
     ``rdzv_conf`` adds to ``last_call_timeout=2`` (e.g. ``is_host=true`` to pin the rendezvous store to a node).
     ``rdzv_backend="etcd-v2"`` with ``rdzv_endpoint`` (an etcd server's ``host:port``) replaces the c10d store that
@@ -35,7 +36,7 @@ def start_node(
     """
     conf = ",".join(filter(None, ["last_call_timeout=2", rdzv_conf]))
     cmd = [
-        sys.executable, "-m", "lightning_emig.run", f"--nnodes={nnodes}", "--nproc-per-node=1",
+        sys.executable, "-m", "lightning_emig.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
         f"--rdzv-backend={rdzv_backend}", f"--rdzv-endpoint={rdzv_endpoint or f'127.0.0.1:{port}'}",
         f"--rdzv-id={rdzv_id}",
         f"--rdzv-conf={conf}", f"--local-addr={local_addr}", f"--max-restarts={max_restarts}",
