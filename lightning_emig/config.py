@@ -137,6 +137,8 @@ class TrainerSection:
     """Timeout of every collective; gloo cannot abort, so a dead peer must surface as a timeout."""
     progress_bar: bool = True
     pipeline_schedule: str = "gpipe"
+    gradient_clip_val: Optional[float] = None  # noqa: UP045
+    """Clip gradients to this global L2 norm (over every stage under pp); None: no clipping."""
     """Under ``layout.pp > 1``: ``gpipe`` or ``1f1b`` (needs at least ``pp`` micro-batches per step)."""
 
 

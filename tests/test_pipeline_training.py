@@ -30,25 +30,35 @@ GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-7
 
 
 class FirstGradients(pl.Callback):
-    """The full gradient of every parameter this rank's stage holds, before the first optimizer step."""
+    """The full gradient of every parameter this rank's stage holds at the first step: before clipping, and as the
+    optimizer used them (after clipping; still there when the step's last batch ends)."""
 
     def __init__(self) -> None:
         self.grads: dict[str, torch.Tensor] = {}
+        self.clipped: dict[str, torch.Tensor] = {}
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: Any) -> None:
-        from torch.distributed.tensor import DTensor
+        if trainer.global_step == 0:
+            self.grads = _full_gradients(module)
 
-        if trainer.global_step != 0:
-            return
-        for name, param in module.named_parameters():
-            grad = param.grad
-            self.grads[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step == 1 and not self.clipped:
+            self.clipped = _full_gradients(module)
+
+
+def _full_gradients(module: pl.LightningModule) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    grads = {name: param.grad for name, param in module.named_parameters()}
+    return {name: (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone() for name, g in grads.items()}
 
 
 def _train(rank: int, world: int, root: str, layout: dict[str, int], schedule: str,
-           changes: list[tuple[int, dict[str, int]]] | None = None, steps: int = STEPS) -> dict[str, Any]:
+           changes: list[tuple[int, dict[str, int]]] | None = None, steps: int = STEPS,
+           clip: float | None = None) -> dict[str, Any]:
     cfg = tiny_config(layout=layout, max_steps=steps, world_size=world)
     cfg.trainer.pipeline_schedule = schedule
+    cfg.trainer.gradient_clip_val = clip
     if changes:
         with_schedule(cfg, changes)
     quiet_lightning()
@@ -58,6 +68,7 @@ def _train(rank: int, world: int, root: str, layout: dict[str, int], schedule: s
     parts.trainer.fit(parts.module, train_dataloaders=parts.loader)
     # numpy, not tensors: torch sends tensors between processes through shared memory the worker takes with it
     return {"losses": step_losses(parts), "grads": {k: v.numpy() for k, v in grads.grads.items()},
+            "clipped": {k: v.numpy() for k, v in grads.clipped.items()},
             "layout": parts.strategy.layout.as_dict(),
             "events": [e.as_dict() for e in parts.strategy.events],
             "offset": parts.loader.state_dict()["sampler"]["offset"]}
@@ -142,3 +153,20 @@ def test_a_module_without_a_stage_is_refused() -> None:
 
     with pytest.raises(PipelineError, match="exactly one pipeline stage"):
         find_stage(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+@pytest.mark.timeout(300)
+def test_gradient_clipping_takes_the_norm_over_every_stage(tmp_path: Path) -> None:
+    """Clipped to a norm well below the first step's (0.88): every stage scales by the same, global coefficient."""
+    clip = 0.2
+    reference = run_distributed(_train, 2, str(tmp_path / "ref"), {"dp_shard": 2}, "gpipe", None, 2, clip,
+                                timeout_s=200)[0]
+    results = run_distributed(_train, 2, str(tmp_path / "pp"), {"dp_shard": 1, "pp": 2}, "gpipe", None, 2, clip,
+                              timeout_s=200)
+    full = torch.cat([torch.from_numpy(g).flatten() for g in reference["grads"].values()])
+    clipped = {k: torch.from_numpy(v) for r in results for k, v in r["clipped"].items()}
+    assert float(full.norm()) > 4 * clip, "the test needs gradients that clipping changes"
+    assert float(torch.cat([g.flatten() for g in clipped.values()]).norm()) == pytest.approx(clip, rel=1e-4)
+    for name, grad in clipped.items():
+        torch.testing.assert_close(grad, torch.from_numpy(reference["clipped"][name]), rtol=GRAD_RTOL, atol=GRAD_ATOL,
+                                   msg=name)

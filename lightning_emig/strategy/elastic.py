@@ -68,6 +68,7 @@ from lightning_emig.strategy.boundary import (
     rescale_batch_progress,
     restart_training_iterator,
 )
+from lightning_emig.strategy.clipping import route_norm_clipping
 from lightning_emig.strategy.elastic_fit import ElasticFitLauncher, treat_step_as_saved
 from lightning_emig.strategy.events import publish_event
 from lightning_emig.strategy.live_join import join_live
@@ -417,6 +418,10 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         self._apply_gradient_accumulation(trainer)
         _add_callbacks(trainer)
         super().setup(trainer)
+        route_norm_clipping(self.precision_plugin, self._pipeline_group)
+
+    def _pipeline_group(self) -> dist.ProcessGroup | None:
+        return self.layout_mesh[MeshAxis.PP].get_group() if self.layout.pp > 1 else None
 
     # ---------------------------------------------------------- reconfigure
     def reconfigure(self, layout: HybridLayout | dict[str, int]) -> None:

@@ -159,6 +159,7 @@ def build_run(cfg: TrainConfig, run_dir: Path) -> RunParts:
         strategy=strategy,
         precision=cfg.trainer.precision,  # type: ignore[arg-type]
         max_steps=cfg.trainer.max_steps,
+        gradient_clip_val=cfg.trainer.gradient_clip_val,
         logger=build_loggers(cfg, run_dir),
         callbacks=_callbacks(cfg, checkpoint, run_dir),
         enable_progress_bar=cfg.trainer.progress_bar,
