@@ -7,11 +7,8 @@ drops every block outside ``blocks`` and, unless it is the first or the last sta
 head. The kept modules keep their names, so a parameter's name is the same in every stage layout (the key the
 migration moves it by).
 
-Scope today: the split, a stage built by ``parallelize_model`` (TP and FSDP2 inside the stage), two stages that
-``torch.distributed.pipelining`` runs with the unpipelined model's loss and gradients, and the stage recorded in the
-state's specs, so the migration moves state between any stage layouts (``tests/test_pipeline.py``). Not yet
-(issue #12): training with ``pp > 1`` in the strategy (it drives the schedule, the loss on the last stage), joins of
-stage layouts (a joiner's optimizer template is one stage's), the picker's pp estimates, benchmark transitions.
+The strategy trains a stage with torch's schedules (:mod:`lightning_emig.strategy.pipeline`); the state's specs
+record each tensor's stage, so the migration moves state between any stage layouts.
 """
 
 from __future__ import annotations
