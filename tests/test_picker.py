@@ -305,18 +305,56 @@ def test_identical_inputs_give_identical_choices() -> None:
         json.dumps(first.to_record())  # JSON-able
 
 
+@pytest.mark.parametrize("name", ["tiny", "llama_125m", "llama_1b"])
+def test_the_largest_stage_is_the_one_the_builder_makes(name: str) -> None:
+    from lightning_emig.parallelize.pipeline import keep_stage
+
+    config = MODEL_SIZES[name]
+    for pp in range(2, min(config.n_layers, 5) + 1):
+        sizes = []
+        for stage in range(pp):
+            with torch.device("meta"):
+                model = keep_stage(Llama(config), pp, stage)
+            sizes.append((sum(p.numel() for p in model.parameters()), len(model.layers)))
+        counts = param_counts(config)
+        assert counts.stage_local(1, pp) == max(size for size, _ in sizes), (name, pp)
+        assert counts.stage_blocks(pp) == max(blocks for _, blocks in sizes), (name, pp)
+
+
+def test_gpipe_keeps_every_micro_batch_in_flight_and_1f1b_at_most_pp() -> None:
+    lay = HybridLayout(dp_shard=2, pp=4).resolve(8)
+
+    def activations(schedule: str, accumulation: int) -> int:
+        return estimate_memory(LLAMA_1B, lay, seq_len=SEQ_LEN, micro_batch_size=1, grad_accumulation=accumulation,
+                               pipeline_schedule=schedule).activations
+
+    one = activations("gpipe", 1)
+    assert activations("gpipe", 16) == 16 * one
+    assert activations("1f1b", 16) == 4 * one == activations("1f1b", 4)
+
+
+def test_1f1b_needs_a_micro_batch_per_stage() -> None:
+    staged = pick(16, None, global_batch=16, allow_pp=True, pp=(1, 4), micro_batch_sizes=(4,),
+                  pipeline_schedule="1f1b")
+    # dp 4 x micro 4 = 16: one micro-batch per step, fewer than 4 stages
+    rejected = {degrees(c.layout): c.rejected for c in staged.candidates if not c.feasible}
+    assert "1f1b needs >= pp=4 micro-batches per step" in rejected[(1, 4, 1, 4)]
+    gpipe = pick(16, None, global_batch=16, allow_pp=True, pp=(1, 4), micro_batch_sizes=(4,))
+    assert any(c.feasible and degrees(c.layout) == (1, 4, 1, 4) for c in gpipe.candidates)
+
+
 def test_pipeline_parallelism_only_when_allowed() -> None:
     assert all(c.layout.pp == 1 for c in pick(16).candidates)
     allowed = pick(16, 80, allow_pp=True)
     staged = [c for c in allowed.candidates if c.layout.pp > 1 and c.feasible]
-    assert staged and all(c.step.pipeline_bubble > 0 and c.memory.pipeline_buffers == 0 for c in staged)
+    assert staged and all(c.step.pipeline_bubble > 0 and c.memory.pipeline_buffers > 0 for c in staged)
 
 
 # -------------------------------------------------------------------------------------- invalid settings
 INVALID = [
     ({"tpp": [2]}, r"unknown picker key\(s\) \['tpp'\]; valid keys: dp_replicate, dp_shard, tp, pp"),
-    ({"pp": [1, 2]}, r"pp=\[1, 2\] allows pipeline stages but allow_pp is false: pipeline parallelism is not "
-                     r"implemented in training yet"),
+    ({"pp": [1, 2]}, r"pp=\[1, 2\] allows pipeline stages but allow_pp is false: pipeline stages are opt-in"),
+    ({"pipeline_schedule": "interleaved"}, r"pipeline_schedule must be one of \['gpipe', '1f1b'\]"),
     ({"table": {8: {"pp": 2, "dp_shard": 4}}}, r"table\[8\]: pp=2 but allow_pp is false"),
     ({"table": {8: {"dp_shard": 16}}}, r"table\[8\]: .* needs 16 devices but the world has 8"),
     ({"table": {8: {"tensor": 2}}}, r"table\[8\]: unknown layout key\(s\) \['tensor'\]; valid keys"),

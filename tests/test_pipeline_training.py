@@ -49,7 +49,8 @@ class FirstGradients(pl.Callback):
 def _full_gradients(module: pl.LightningModule) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
-    grads = {name: param.grad for name, param in module.named_parameters()}
+    # None after a layout change at this step's end: the new model has no gradients yet
+    grads = {name: param.grad for name, param in module.named_parameters() if param.grad is not None}
     return {name: (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone() for name, g in grads.items()}
 
 

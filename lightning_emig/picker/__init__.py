@@ -15,7 +15,8 @@ Invariants:
 * a device is left idle only when every layout using it is slower (beyond ``tie_tolerance``) or none can run,
   and the explanation says which;
 * every rejected candidate carries the reason; an explicit ``table`` entry overrides the search;
-* ``pp > 1`` is refused unless ``allow_pp`` (pipeline parallelism is not implemented in training yet).
+* ``pp > 1`` is considered only with ``allow_pp`` (the model must be one that can be cut into stages), with the
+  stages of the project's one split rule, the schedule's bubble and in-flight activations (``pipeline_schedule``).
 """
 
 from lightning_emig.picker.candidates import Candidate

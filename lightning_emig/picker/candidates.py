@@ -125,6 +125,9 @@ def structural_reason(problem: Problem, layout: HybridLayout) -> str | None:
     if not batch_plans(problem, layout):
         micros = c.micro_batch_options()
         micro = f"micro {micros[0]}" if len(micros) == 1 else f"any micro in {list(micros)}"
+        if layout.pp > 1 and c.pipeline_schedule == "1f1b":
+            return (f"1f1b needs >= pp={layout.pp} micro-batches per step: global batch {problem.global_batch_size} "
+                    f"gives fewer with {micro} x dp {layout.dp}")
         return f"global batch {problem.global_batch_size} not divisible by {micro} x dp {layout.dp}"
     return None
 
@@ -132,8 +135,11 @@ def structural_reason(problem: Problem, layout: HybridLayout) -> str | None:
 def batch_plans(problem: Problem, layout: HybridLayout) -> list[BatchPlan]:
     dp = layout.dp_replicate * layout.dp_shard
     # BatchPlan validates again; the modulo first keeps the search off its (costly) error path.
-    return [BatchPlan(problem.global_batch_size, micro, dp) for micro in problem.constraints.micro_batch_options()
-            if problem.global_batch_size % (micro * dp) == 0]
+    plans = [BatchPlan(problem.global_batch_size, micro, dp) for micro in problem.constraints.micro_batch_options()
+             if problem.global_batch_size % (micro * dp) == 0]
+    if layout.pp > 1 and problem.constraints.pipeline_schedule == "1f1b":  # it needs a micro-batch per stage
+        plans = [plan for plan in plans if plan.grad_accumulation >= layout.pp]
+    return plans
 
 
 def evaluate(problem: Problem, layout: HybridLayout) -> Candidate:
@@ -162,7 +168,8 @@ def _option(problem: Problem, layout: HybridLayout, plan: BatchPlan, checkpointi
     c = problem.constraints
     common = {"seq_len": problem.seq_len, "micro_batch_size": plan.micro_batch_size,
               "mixed_precision": c.mixed_precision, "activation_checkpointing": checkpointing}
-    memory = estimate_memory(problem.model, layout, grad_accumulation=plan.grad_accumulation, **common)
+    memory = estimate_memory(problem.model, layout, grad_accumulation=plan.grad_accumulation,
+                             pipeline_schedule=c.pipeline_schedule, **common)
     step = estimate_step_time(problem.model, layout, grad_accumulation=plan.grad_accumulation,
                               devices_per_node=c.devices_per_node, profile=problem.profile, **common)
     return Candidate(layout, problem.world - devices_of(layout), plan=plan, activation_checkpointing=checkpointing,

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from lightning_emig.models.llama import LlamaConfig
 
 AXES: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp", "pp")
-PP_NOT_IMPLEMENTED = "pipeline parallelism is not implemented in training yet"
+PP_OPT_IN = "pipeline stages are opt-in (the model must be one that can be cut into stages, see keep_stage)"
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 
 
 class PickerError(ValueError):
@@ -55,7 +56,11 @@ class PickerConstraints:
     micro_batch_sizes: tuple[int, ...] | int = (1, 2, 4, 8)
     """Candidate micro batch sizes, or an int ``m`` meaning any of ``1..m``."""
     allow_pp: bool = False
-    """Let the search use ``pp > 1``; off because pipeline parallelism is not implemented in training yet."""
+    """Let the search use ``pp > 1``; off by default: only a model that can be cut into stages (``keep_stage``)
+    trains with them."""
+    pipeline_schedule: str = "gpipe"
+    """The schedule training runs stages with (the strategy's ``pipeline_schedule``): ``gpipe`` keeps every
+    micro-batch's activations until its backward, ``1f1b`` at most ``pp`` and needs at least ``pp`` micro-batches."""
     mixed_precision: Literal["bf16", "fp32"] = "bf16"
     """``bf16``: bf16 compute with fp32 master weights, gradients and optimizer state; ``fp32``: all fp32."""
     activation_checkpointing: Literal["auto"] | bool = "auto"
@@ -76,6 +81,9 @@ class PickerConstraints:
         _require_positive_int("devices_per_node", self.devices_per_node)
         object.__setattr__(self, "micro_batch_sizes", _micro_sizes(self.micro_batch_sizes))
         self._check_numbers()
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise PickerError(f"pipeline_schedule must be one of {list(PIPELINE_SCHEDULES)}, "
+                              f"got {self.pipeline_schedule!r}")
         if self.mixed_precision not in ("bf16", "fp32"):
             raise PickerError(f"mixed_precision must be 'bf16' or 'fp32', got {self.mixed_precision!r}")
         if self.activation_checkpointing not in ("auto", True, False):
@@ -84,7 +92,7 @@ class PickerConstraints:
             )
         if not self.allow_pp and self.pp is not None and max(self.pp) > 1:
             raise PickerError(
-                f"pp={list(self.pp)} allows pipeline stages but allow_pp is false: {PP_NOT_IMPLEMENTED}; "
+                f"pp={list(self.pp)} allows pipeline stages but allow_pp is false: {PP_OPT_IN}; "
                 "set pp=[1] (or leave it unset), or allow_pp=true to plan for it anyway"
             )
         if self.tp is not None and self.tp_within_node and not any(self.devices_per_node % t == 0 for t in self.tp):
@@ -111,7 +119,7 @@ class PickerConstraints:
             world = _table_world(key)
             layout = _table_layout(world, value)
             if layout.pp > 1 and not self.allow_pp:
-                raise PickerError(f"table[{world}]: pp={layout.pp} but allow_pp is false: {PP_NOT_IMPLEMENTED}")
+                raise PickerError(f"table[{world}]: pp={layout.pp} but allow_pp is false: {PP_OPT_IN}")
             out[world] = layout
         return out
 

@@ -8,8 +8,9 @@ Pure arithmetic on the model's shape. Invariants (the tests hold them):
   fp32 gradient, and AdamW's two fp32 moments (``exp_avg``, ``exp_avg_sq``);
 * monotone where it matters to the search: with FSDP2 on (``dp > 1``) a larger ``dp_shard`` or ``tp`` never increases
   the estimate, a larger micro batch never decreases it, activation checkpointing never increases it on a stage of two or more blocks;
-* pipeline send/receive buffers are NOT modelled yet (``pipeline_buffers`` is 0): ``pp > 1`` is rejected unless
-  ``allow_pp``, and then only the largest stage's state and 1F1B's in-flight micro-batches are counted.
+* under ``pp > 1``: the largest stage's state (the project's one split rule), the activations of the micro-batches
+  the schedule keeps in flight (every one under GPipe, ``pp`` under 1F1B), and the stage's receive buffers: torch's
+  schedules keep one activation and one gradient buffer per micro-batch of the step (sequence-sharded under TP).
 
 What is not counted (covered by ``usable_memory_fraction``): CUDA context, NCCL buffers, allocator fragmentation,
 SDPA's per-head logsumexp, transient gradients of activations during backward.
@@ -20,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lightning_emig.picker.shapes import ParamCounts, param_counts, stage_blocks
+from lightning_emig.picker.shapes import ParamCounts, param_counts
 
 if TYPE_CHECKING:
     from lightning_emig.layout import HybridLayout
@@ -49,7 +50,7 @@ class MemoryEstimate:
     logits: int
     """Output logits, their fp32 upcast for the loss and the saved log-softmax."""
     pipeline_buffers: int = 0
-    """Not yet modelled (pp is not implemented in training); always 0."""
+    """A stage's receive buffers for activations and their gradients, one pair per micro-batch of the step."""
 
     @property
     def total(self) -> int:
@@ -66,15 +67,21 @@ def estimate_memory(
     mixed_precision: str = "bf16",
     activation_checkpointing: bool = False,
     grad_accumulation: int = 1,
+    pipeline_schedule: str = "gpipe",
 ) -> MemoryEstimate:
     """Peak bytes on the busiest device of ``layout`` (a resolved one).
 
-    ``grad_accumulation`` only matters with ``pp > 1`` (1F1B keeps ``min(pp, accumulation)`` micro-batches alive).
+    ``grad_accumulation`` and ``pipeline_schedule`` matter with ``pp > 1`` only: the first stage keeps the
+    activations of every micro-batch whose backward has not run, all ``accumulation`` of them under GPipe,
+    ``min(pp, accumulation)`` under 1F1B. (Bounded by the largest stage's state plus the first stage's
+    activations, as if one stage had both.)
     """
     counts = param_counts(model)
     local = counts.stage_local(layout.tp, layout.pp)
     sharded = -(-local // layout.dp_shard)
-    in_flight = min(layout.pp, grad_accumulation) if layout.pp > 1 else 1
+    in_flight = 1
+    if layout.pp > 1:
+        in_flight = grad_accumulation if pipeline_schedule == "gpipe" else min(layout.pp, grad_accumulation)
     per_micro = _activations(model, counts, layout, seq_len, micro_batch_size, mixed_precision,
                              activation_checkpointing)
     return MemoryEstimate(
@@ -84,7 +91,17 @@ def estimate_memory(
         unsharded=_unsharded_buffers(counts, layout, mixed_precision),
         activations=in_flight * per_micro,
         logits=micro_batch_size * seq_len * model.vocab_size * (COMPUTE_BYTES[mixed_precision] + 2 * FP32),
+        pipeline_buffers=_pipeline_buffers(model, layout, seq_len, micro_batch_size, mixed_precision,
+                                           grad_accumulation),
     )
+
+
+def _pipeline_buffers(model: LlamaConfig, layout: HybridLayout, seq_len: int, micro: int, mixed_precision: str,
+                      micro_batches: int) -> int:
+    if layout.pp == 1:
+        return 0
+    activation = micro * -(-seq_len // layout.tp) * model.dim * COMPUTE_BYTES[mixed_precision]
+    return 2 * micro_batches * activation
 
 
 def _unsharded_buffers(counts: ParamCounts, layout: HybridLayout, mixed_precision: str) -> int:
@@ -104,7 +121,7 @@ def _unsharded_buffers(counts: ParamCounts, layout: HybridLayout, mixed_precisio
 def _activations(model: LlamaConfig, counts: ParamCounts, layout: HybridLayout, seq_len: int, micro: int,
                  mixed_precision: str, checkpointing: bool) -> int:
     """Saved activations of one micro-batch on the largest stage."""
-    layers = stage_blocks(counts.n_layers, layout.pp)
+    layers = counts.stage_blocks(layout.pp)
     per_layer = micro * seq_len * block_activation_bytes_per_token(model, layout.tp, mixed_precision)
     if not checkpointing:
         return layers * per_layer

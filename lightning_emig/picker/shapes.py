@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
+from lightning_emig.migration.stages import split_stages
+
 if TYPE_CHECKING:
     from lightning_emig.models.llama import LlamaConfig
 
@@ -84,17 +86,23 @@ class ParamCounts:
         return -(-self.root_sharded // tp) + self.root_replicated
 
     def stage_local(self, tp: int, pp: int) -> int:
-        """Elements one TP rank of the largest pipeline stage holds (the whole model when ``pp == 1``).
+        """Elements one TP rank of the largest pipeline stage holds (the whole model when ``pp == 1``), with the
+        stages the project's one split rule makes (the embedding on the first stage, norm and output on the last)."""
+        embedding = -(-self.embedding // tp)
+        rest = self.root_local(tp) - embedding
+        ranges = self.stages(pp)
+        return max(len(blocks) * self.block_local(tp) + (embedding if stage == 0 else 0)
+                   + (rest if stage == pp - 1 else 0) for stage, blocks in enumerate(ranges))
 
-        The first ``n_layers % pp`` stages hold one extra block; the root's tensors are split between the first
-        stage (embedding) and the last (norm, output), so the largest stage is bounded by all of the root.
-        """
-        return stage_blocks(self.n_layers, pp) * self.block_local(tp) + self.root_local(tp)
+    def stage_blocks(self, pp: int) -> int:
+        """Blocks on the pipeline stage with the most (the slowest stage: blocks are the FLOPs)."""
+        return max(len(blocks) for blocks in self.stages(pp))
 
-
-def stage_blocks(n_layers: int, pp: int) -> int:
-    """Blocks on the largest pipeline stage."""
-    return -(-n_layers // pp)
+    def stages(self, pp: int) -> tuple[range, ...]:
+        """The blocks of every stage (:func:`~lightning_emig.migration.stages.split_stages`)."""
+        block = self.block_sharded + self.block_replicated
+        root = self.root_sharded + self.root_replicated
+        return split_stages([block] * self.n_layers, pp, first_extra=self.embedding, last_extra=root - self.embedding)
 
 
 @lru_cache(maxsize=64)

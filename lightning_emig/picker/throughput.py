@@ -11,7 +11,9 @@ Pure arithmetic. Invariants:
 * tensor-parallel collectives sit on the critical path (no async TP); FSDP2 / HSDP traffic overlaps a micro-batch's
   compute up to ``comm_overlap``, never hiding the first block's all-gather;
 * a group whose ranks all sit in one node uses ``intra_node_bandwidth``, any other ``inter_node_bandwidth``;
-* the pipeline bubble is a placeholder (1F1B's ``pp - 1`` micro-batch times); point-to-point traffic is not modelled.
+* pipeline stages: the slowest stage (most blocks, by the project's one split rule) sets the pace, and a step adds
+  ``pp - 1`` of its micro-batch times of fill and drain (GPipe's and 1F1B's bubble alike: they differ in memory);
+  the point-to-point traffic between stages is not modelled.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_emig.picker.memory import COMPUTE_BYTES, FP32
-from lightning_emig.picker.shapes import ParamCounts, param_counts, stage_blocks
+from lightning_emig.picker.shapes import ParamCounts, param_counts
 
 if TYPE_CHECKING:
     from lightning_emig.layout import HybridLayout
@@ -140,10 +142,10 @@ def estimate_step_time(
                / (layout.tp * layout.pp * profile.flops(mixed_precision)))
     tp = _tensor_parallel(model, layout, tokens, devices_per_node, profile, mixed_precision, activation_checkpointing)
     dp = _data_parallel(counts, layout, devices_per_node, profile, mixed_precision)
-    units = stage_blocks(counts.n_layers, layout.pp) + 1
+    units = counts.stage_blocks(layout.pp) + 1
     exposed = max(dp - profile.comm_overlap * compute, dp / units) if dp else 0.0
     local = -(-counts.stage_local(layout.tp, layout.pp) // layout.dp_shard)
-    bubble = (layout.pp - 1) * (compute + tp)  # 1F1B: pp - 1 micro-batch times of fill and drain
+    bubble = (layout.pp - 1) * (compute + tp)  # pp - 1 micro-batch times of fill and drain
     return StepEstimate(
         compute=grad_accumulation * compute,
         tensor_parallel=grad_accumulation * tp,
@@ -168,7 +170,7 @@ def _tensor_parallel(model: LlamaConfig, layout: HybridLayout, tokens: int, devi
         return 0.0
     element = COMPUTE_BYTES[mixed_precision]
     per_block = 8 + (4 if checkpointing else 0)
-    count = stage_blocks(model.n_layers, layout.pp) * per_block + 4
+    count = param_counts(model).stage_blocks(layout.pp) * per_block + 4
     volume = count * tokens * model.dim * element + tokens * model.vocab_size * element
     wire = (t - 1) / t * volume / profile.bandwidth(within_node(t, devices_per_node))
     return wire + (count + 1) * profile.collective_latency
@@ -185,7 +187,7 @@ def _data_parallel(counts: ParamCounts, layout: HybridLayout, devices_per_node: 
     if layout.dp_replicate * layout.dp_shard == 1:
         return 0.0
     element = COMPUTE_BYTES[mixed_precision]
-    blocks = stage_blocks(counts.n_layers, layout.pp)
+    blocks = counts.stage_blocks(layout.pp)
     block, root = counts.block_local(layout.tp), counts.root_local(layout.tp)
     seconds = 0.0
     s = layout.dp_shard

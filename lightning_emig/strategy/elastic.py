@@ -190,6 +190,9 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         self.layout_choice: LayoutChoice | None = None
         """How this fit's layout was chosen (the picker's explanation goes into the next event's record)."""
         check_schedule(pipeline_schedule, pp=1, micro_batches=1)
+        if picker is not None and picker.constraints.pipeline_schedule != pipeline_schedule:
+            raise ValueError(f"the layout picker plans for the {picker.constraints.pipeline_schedule!r} schedule but "
+                             f"the strategy runs {pipeline_schedule!r}: give both the same pipeline_schedule")
         self.pipeline_schedule = pipeline_schedule
         self._pipeline: PipelineDriver | None = None
 
