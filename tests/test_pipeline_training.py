@@ -188,3 +188,23 @@ def test_stages_with_bf16_compute_and_activation_checkpointing_train_like_fsdp(t
     staged = run_distributed(_losses_bf16, 2, str(tmp_path / "pp"), {"dp_shard": 1, "pp": 2}, True, timeout_s=200)
     for losses in staged:
         assert losses == pytest.approx(reference, rel=LOSS_RTOL)
+
+
+def _resume(rank: int, world: int, root: str, layout: dict[str, int], steps: int, ckpt: str | None) -> list[float]:
+    cfg = tiny_config(layout=layout, max_steps=steps, world_size=world, checkpoint_every_n_steps=2)
+    return step_losses(fit(cfg, Path(root), ckpt_path=ckpt))
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_written_by_stages_resumes_under_stages_and_without(tmp_path: Path) -> None:
+    """Each stage writes its own tensors and the parameter groups name every stage's parameters (one copy of them is
+    kept: with each stage's own list a resume under stages lost its hyper-parameters). Resumed at step 2 under
+    stages and under FSDP, the next steps equal a resume of FSDP's own checkpoint."""
+    stages, fsdp = {"dp_shard": 1, "pp": 2}, {"dp_shard": 2}
+    for name, layout in (("pp", stages), ("fsdp", fsdp)):
+        run_distributed(_resume, 2, str(tmp_path / name), layout, 2, None, timeout_s=200)
+    reference = run_distributed(_resume, 2, str(tmp_path / "fsdp"), fsdp, 4, "last", timeout_s=200)[0]
+    written_by_stages = str(tmp_path / "pp" / "checkpoints" / "step000002.ckpt")
+    for name, layout in (("pp_pp", stages), ("pp_fsdp", fsdp)):
+        losses = run_distributed(_resume, 2, str(tmp_path / name), layout, 4, written_by_stages, timeout_s=200)[0]
+        assert len(losses) == 2 and losses == pytest.approx(reference, rel=LOSS_RTOL), name

@@ -72,7 +72,12 @@ from lightning_emig.strategy.clipping import route_norm_clipping
 from lightning_emig.strategy.elastic_fit import ElasticFitLauncher, treat_step_as_saved
 from lightning_emig.strategy.events import publish_event
 from lightning_emig.strategy.live_join import join_live
-from lightning_emig.strategy.pipeline import PipelineDriver, PipelineError, check_schedule
+from lightning_emig.strategy.pipeline import (
+    PipelineDriver,
+    PipelineError,
+    check_schedule,
+    param_groups_of_every_stage,
+)
 from lightning_emig.strategy.reconfigure import ReconfigureEvent, check_rebuilt, reconfigure_live
 from lightning_emig.strategy.rendezvous import RendezvousCallback
 from lightning_emig.strategy.resume import check_checkpoint_matches, restart_reason
@@ -592,6 +597,12 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         return output
 
     # -------------------------------------------------------------- checkpoint
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        state = super().optimizer_state(optimizer)
+        group = self._pipeline_group()
+        return param_groups_of_every_stage(state, group) if group is not None else state
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
         if self.pending_handoff is not None:

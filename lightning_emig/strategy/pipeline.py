@@ -216,6 +216,22 @@ class PipelineDriver:
         return mean
 
 
+def param_groups_of_every_stage(optimizer_state: dict[str, Any], group: dist.ProcessGroup) -> dict[str, Any]:
+    """``optimizer_state`` (``get_optimizer_state_dict``'s, keyed by name) with each parameter group listing the
+    parameters of every stage. A checkpoint keeps one copy of the ``param_groups`` object, whichever process wrote
+    it; with each stage's own list, a resume would find its parameters in no group (missing hyper-parameters, or
+    a model without stages taking one stage's list). Every stage's names are gathered over the pipeline group
+    ``group`` (a collective); loading picks its own parameters out of the groups by name."""
+    groups = optimizer_state["param_groups"]
+    gathered: list[list[list[str]] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, [list(g["params"]) for g in groups], group=group)
+    merged = []
+    for index, g in enumerate(groups):
+        names = [name for stage in gathered for name in (stage or [[]] * len(groups))[index]]
+        merged.append({**g, "params": list(dict.fromkeys(names))})
+    return {**optimizer_state, "param_groups": merged}
+
+
 def _concatenated(calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The step's model calls joined along the batch dimension (the schedule splits them back, one per micro-batch)."""
     first_args, first_kwargs = calls[0]
@@ -234,4 +250,5 @@ def _plain_loss(output: Any) -> torch.Tensor:
     return sum(o.float().sum() * 0 for o in outputs if isinstance(o, torch.Tensor))  # type: ignore[return-value]
 
 
-__all__ = ["SCHEDULES", "PipelineDriver", "PipelineError", "check_schedule", "find_stage"]
+__all__ = ["SCHEDULES", "PipelineDriver", "PipelineError", "check_schedule", "find_stage",
+           "param_groups_of_every_stage"]
