@@ -4,8 +4,8 @@ Invariants of a :class:`PickerConstraints` (checked in ``__post_init__``, every 
 names the key to change):
 
 * allowed degrees per axis are ``None`` (any) or a sorted tuple of distinct positive ints;
-* ``pp > 1`` is allowed (in the degree lists or the table) only with ``allow_pp=True``: pipeline parallelism is not
-  implemented in training yet;
+* ``pp > 1`` is allowed (in the degree lists or the table) only with ``allow_pp=True``: only a model that can be cut
+  into stages trains with them;
 * ``table`` maps a world size to a :class:`~lightning_emig.layout.HybridLayout` that fits in that world;
 * an unknown key in :meth:`PickerConstraints.from_mapping` is an error listing the valid ones, never dropped.
 

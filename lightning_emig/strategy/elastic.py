@@ -11,6 +11,9 @@ What the strategy owns, and nothing more (elasticity stays inside this boundary,
   global offset advances by one global batch after every optimizer step;
 * sharded PyTorch Distributed Checkpoints (model, optimizer, scheduler, data offset, loop counters, RNG) that
   load under any other layout (resharding on load);
+* under ``pp > 1``, the pipeline schedule: a step's micro-batches run through it at the last one, the user's
+  ``training_step`` taking part unchanged (:mod:`lightning_emig.strategy.pipeline`), and gradient clipping by the
+  norm over every stage (:mod:`lightning_emig.strategy.clipping`);
 * the live join (``fit(ckpt_path="live")``): under ``lightning-emig-run`` it forms the generation's process group
   itself, lays the model out for the new world by ``elastic_settings.layout_for_world`` (one rule for every change),
   and in ``load_checkpoint`` receives the state from the processes that kept running
@@ -99,7 +102,7 @@ CHECKPOINT_KEY = "lightning_emig"
 
 
 class ElasticMigrationStrategy(ModelParallelStrategy):
-    """Train under any hybrid layout (HSDP x FSDP2 x TP) with a fixed global batch.
+    """Train under any hybrid layout (pipeline stages x HSDP x FSDP2 x TP) with a fixed global batch.
 
     Args:
         layout: The hybrid layout; ``-1`` in one degree fills the rest of the world. A dict is accepted too.
