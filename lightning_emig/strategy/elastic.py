@@ -580,7 +580,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         last_stage = self.layout.pp == 1 or layout_mesh[MeshAxis.PP].get_local_rank() == self.layout.pp - 1
         if last_stage and local_mean is None:
             raise ValueError("step_loss needs this rank's mean loss: it computed the step's losses")
-        mean = local_mean.detach().float().clone() if last_stage else torch.zeros(())
+        mean = local_mean.detach().float().clone() if last_stage else torch.zeros((), device=self.root_device)
         if last_stage:
             dist.all_reduce(mean, group=layout_mesh.dp.get_group())
             mean /= self.layout.dp

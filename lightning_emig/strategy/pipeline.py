@@ -123,6 +123,7 @@ class PipelineDriver:
         self.stage_index = pp_mesh.get_local_rank()
         self.num_stages = pp
         self.micro_batches = micro_batches
+        self._device = device  # where collectives' tensors live (NCCL: the GPU)
         self._training_step = training_step
         stage = PipelineStage(self.stage_module, self.stage_index, pp, device, group=self._group)
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
@@ -157,7 +158,7 @@ class PipelineDriver:
         if self.is_first:
             self._inputs.append(self._model_call_of(args))
         if self.pending < self.micro_batches:
-            return torch.zeros(())
+            return torch.zeros((), device=self._device)
         try:
             return self._run_step()
         finally:
@@ -211,7 +212,7 @@ class PipelineDriver:
         if self.is_last:
             mean = torch.stack([loss.detach().float() for loss in losses]).mean()
         else:
-            mean = torch.zeros(())
+            mean = torch.zeros((), device=self._device)
         dist.broadcast(mean, group=self._group, group_src=self.num_stages - 1)
         return mean
 
