@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 
 from lightning_emig.layout import HybridLayout, build_mesh
+from lightning_emig.migration.change import allocate_shards, whole_state_specs
 from lightning_emig.migration.engine import migrate
 from lightning_emig.migration.geometry import rank_to_coordinate
-from lightning_emig.migration.planner import IdentityMap
+from lightning_emig.migration.planner import IdentityMap, ProcessInfo
 from lightning_emig.migration.stages import split_stages
 from lightning_emig.migration.state import allocate_optimizer_state, training_state
 from lightning_emig.models.llama import Llama, LlamaConfig, causal_lm_loss, get_model_config
@@ -247,3 +248,47 @@ def test_state_moves_between_stage_layouts_bit_exact(name: str) -> None:
     for rank, mismatches in enumerate(run_distributed(_stage_migration_worker, processes, chain, timeout_s=200)):
         changes = sum(1 for (_, a), (_, b) in itertools.pairwise(chain) if rank < b)
         assert mismatches == [None] * changes, f"process {rank}: {mismatches}"
+
+
+def _rebuild_worker(rank: int, processes: int) -> list[str]:
+    """``pp2 x dp_replicate2`` on 4 processes; process 3 dies; the three survivors lay the state out as FSDP over 3
+    from what they hold (stage 1's from its replica, process 2), as a failure's rebuild does: the whole state's specs
+    are the union of the survivors' (no survivor holds both stages), the new shards plain buffers."""
+    config = dataclasses.replace(get_model_config("tiny"), n_layers=4)
+    with torch.device("meta"):
+        full = Llama(config)
+    materialize_and_init(full, "cpu", seed=5)
+    full_optimizer = torch.optim.AdamW(full.parameters(), lr=1e-3)
+    tokens = torch.randint(0, config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(2))
+    causal_lm_loss(full(tokens[:, :-1]), tokens[:, 1:]).backward()
+    full_optimizer.step()
+    expected = full_training_state(full, full_optimizer)
+    old, new = HybridLayout(pp=2, dp_replicate=2).resolve(4), HybridLayout(dp_shard=3).resolve(3)
+    survivors = [0, 1, 2]
+    group = dist.new_group(survivors)  # the survivors' world (every process calls it)
+    if rank not in survivors:
+        return []
+    model, optimizer = copy.deepcopy((full, full_optimizer))
+    keep_stage(model, old.pp, rank_to_coordinate(rank, old.mesh_shape)[0])
+    old_state = training_state(model, optimizer)
+    specs = whole_state_specs({k: t.spec for k, t in old_state.items()}, old, new, group=group)
+    new_rank = survivors.index(rank)
+    new_state = allocate_shards(specs, new, new_rank)
+    identity = IdentityMap(tuple(ProcessInfo(pid=i, node=None, old_rank=old_rank, new_rank=i)
+                                 for i, old_rank in enumerate(survivors)), old.world_size, new.world_size)
+    migrate(old_state=old_state, new_state=new_state, old_layout=old, new_layout=new, identity=identity,
+            pid=new_rank, group=group)
+    wrong = []
+    for key, tensor in new_state.items():
+        holding = specs[key].on(new).holding_of_rank(new_rank)
+        for piece in holding.pieces if holding is not None else ():
+            box = tuple(slice(lo, hi) for lo, hi in piece.global_box.bounds)
+            if not torch.equal(tensor.local[piece.local_slices(piece.global_box)], expected[key][box]):
+                wrong.append(key)
+    return sorted(set(wrong)) + ([] if len(specs) == len(expected) else [f"{len(specs)} specs, {len(expected)} tensors"])
+
+
+@pytest.mark.timeout(180)
+def test_a_dead_process_stage_comes_back_from_its_replica() -> None:
+    results = run_distributed(_rebuild_worker, 4, timeout_s=150)
+    assert results == [[], [], [], []]

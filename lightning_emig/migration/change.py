@@ -115,12 +115,13 @@ def allocate_shards(specs: Mapping[str, ShardingSpec], layout: HybridLayout, ran
 
 
 def whole_state_specs(own: Mapping[str, ShardingSpec] | None, old_layout: HybridLayout,
-                      new_layout: HybridLayout) -> dict[str, ShardingSpec]:
+                      new_layout: HybridLayout, group: dist.ProcessGroup | None = None) -> dict[str, ShardingSpec]:
     """The spec of every tensor of the state from this process's ``own``. A process holds them all, except where a
-    layout has pipeline stages (a stage holds its own tensors only): there, the union over every process of the
-    default group (a collective: every process calls it, ``own`` None where it holds nothing)."""
+    layout has pipeline stages (a stage holds its own tensors only): there, the union over every process of
+    ``group`` (default: the default group; a collective: every process calls it, ``own`` None where it holds
+    nothing)."""
     if old_layout.pp > 1 or new_layout.pp > 1:
-        return union_specs(dict(own or {}), None)
+        return union_specs(dict(own or {}), group)
     return dict(own or {})
 
 
