@@ -44,6 +44,17 @@ class MeshAxis(str, enum.Enum):
 MESH_AXIS_ORDER: tuple[MeshAxis, ...] = (MeshAxis.PP, MeshAxis.DP_REPLICATE, MeshAxis.DP_SHARD, MeshAxis.TP)
 
 
+PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+"""The schedules stages train with (the strategy's ``pipeline_schedule``, the picker's cost model). Interleaved
+schedules (several virtual stages per process) are not offered: the stage split and the migration geometry hold
+one contiguous stage per process."""
+
+
+def least_micro_batches(schedule: str, pp: int) -> int:
+    """Micro-batches per step ``schedule`` needs over ``pp`` stages: 1F1B one per stage, GPipe any number."""
+    return pp if schedule == "1f1b" else 1
+
+
 class LayoutError(ValueError):
     """A layout that cannot be used for the given world or model."""
 

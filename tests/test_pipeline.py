@@ -178,15 +178,21 @@ def _full_state(layout: HybridLayout, model: Any, optimizer: Any) -> dict[str, t
     return {key: value for part in parts for key, value in part.items()}
 
 
-def _stage_migration_worker(rank: int, processes: int, chain: tuple[Step, ...]) -> list[str | None]:
+def _trained_whole_model() -> tuple[LlamaConfig, Any, Any]:
+    """A 4-block tiny Llama and its AdamW after one step: the same on every process (seeded)."""
     config = dataclasses.replace(get_model_config("tiny"), n_layers=4)
     with torch.device("meta"):
         full = Llama(config)
     materialize_and_init(full, "cpu", seed=5)
     full_optimizer = torch.optim.AdamW(full.parameters(), lr=1e-3)
     tokens = torch.randint(0, config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(2))
-    causal_lm_loss(full(tokens[:, :-1]), tokens[:, 1:]).backward()  # the same step on every process
+    causal_lm_loss(full(tokens[:, :-1]), tokens[:, 1:]).backward()
     full_optimizer.step()
+    return config, full, full_optimizer
+
+
+def _stage_migration_worker(rank: int, processes: int, chain: tuple[Step, ...]) -> list[str | None]:
+    config, full, full_optimizer = _trained_whole_model()
     expected = full_training_state(full, full_optimizer)
     template = {key: t.spec for key, t in training_state(full, full_optimizer).items()}
 
@@ -254,14 +260,7 @@ def _rebuild_worker(rank: int, processes: int) -> list[str]:
     """``pp2 x dp_replicate2`` on 4 processes; process 3 dies; the three survivors lay the state out as FSDP over 3
     from what they hold (stage 1's from its replica, process 2), as a failure's rebuild does: the whole state's specs
     are the union of the survivors' (no survivor holds both stages), the new shards plain buffers."""
-    config = dataclasses.replace(get_model_config("tiny"), n_layers=4)
-    with torch.device("meta"):
-        full = Llama(config)
-    materialize_and_init(full, "cpu", seed=5)
-    full_optimizer = torch.optim.AdamW(full.parameters(), lr=1e-3)
-    tokens = torch.randint(0, config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(2))
-    causal_lm_loss(full(tokens[:, :-1]), tokens[:, 1:]).backward()
-    full_optimizer.step()
+    _, full, full_optimizer = _trained_whole_model()
     expected = full_training_state(full, full_optimizer)
     old, new = HybridLayout(pp=2, dp_replicate=2).resolve(4), HybridLayout(dp_shard=3).resolve(3)
     survivors = [0, 1, 2]

@@ -150,9 +150,14 @@ def whole_model_split(model: torch.nn.Module) -> StageSplit:
                               shared=root_buffers)
 
 
+def stage_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``(name, module)`` of every module in ``model`` (itself included) cut to one pipeline stage."""
+    return [(name, m) for name, m in model.named_modules() if getattr(m, "pipeline_split", None) is not None]
+
+
 def holds_stage(model: torch.nn.Module) -> bool:
     """``model`` is, or holds, a model cut to one pipeline stage."""
-    return any(getattr(m, "pipeline_split", None) is not None for m in model.modules())
+    return bool(stage_modules(model))
 
 
 def _splittable(model: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
@@ -226,13 +231,14 @@ def allocate_optimizer_state(
     """
     params = dict(model.named_parameters())
     groups = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    stage = holds_stage(model)
     out: dict[str, StateTensor] = {}
     for key, spec in template.items():
         kind, rest = key.split("/", 1)
         if kind != "optim":
             continue
         name, state_name = rest.rsplit("/", 1)
-        if name not in params and holds_stage(model):
+        if name not in params and stage:
             continue  # a pipeline stage holds the state of its own parameters only
         param = params[name]
         if spec.global_shape == ():

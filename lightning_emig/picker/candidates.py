@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lightning_emig.data.batching import BatchPlan
-from lightning_emig.layout import HybridLayout, LayoutError
+from lightning_emig.layout import HybridLayout, LayoutError, least_micro_batches
 from lightning_emig.picker.constraints import AXES, PickerConstraints
 from lightning_emig.picker.memory import MemoryEstimate, estimate_memory
 from lightning_emig.picker.throughput import HardwareProfile, StepEstimate, estimate_step_time, within_node
@@ -125,7 +125,7 @@ def structural_reason(problem: Problem, layout: HybridLayout) -> str | None:
     if not batch_plans(problem, layout):
         micros = c.micro_batch_options()
         micro = f"micro {micros[0]}" if len(micros) == 1 else f"any micro in {list(micros)}"
-        if layout.pp > 1 and c.pipeline_schedule == "1f1b":
+        if least_micro_batches(c.pipeline_schedule, layout.pp) > 1:
             return (f"1f1b needs >= pp={layout.pp} micro-batches per step: global batch {problem.global_batch_size} "
                     f"gives fewer with {micro} x dp {layout.dp}")
         return f"global batch {problem.global_batch_size} not divisible by {micro} x dp {layout.dp}"
@@ -137,9 +137,8 @@ def batch_plans(problem: Problem, layout: HybridLayout) -> list[BatchPlan]:
     # BatchPlan validates again; the modulo first keeps the search off its (costly) error path.
     plans = [BatchPlan(problem.global_batch_size, micro, dp) for micro in problem.constraints.micro_batch_options()
              if problem.global_batch_size % (micro * dp) == 0]
-    if layout.pp > 1 and problem.constraints.pipeline_schedule == "1f1b":  # it needs a micro-batch per stage
-        plans = [plan for plan in plans if plan.grad_accumulation >= layout.pp]
-    return plans
+    least = least_micro_batches(problem.constraints.pipeline_schedule, layout.pp)  # 1F1B: one per stage
+    return [plan for plan in plans if plan.grad_accumulation >= least]
 
 
 def evaluate(problem: Problem, layout: HybridLayout) -> Candidate:

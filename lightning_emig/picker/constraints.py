@@ -18,14 +18,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
 
-from lightning_emig.layout import HybridLayout, LayoutError
+from lightning_emig.layout import PIPELINE_SCHEDULES, HybridLayout, LayoutError
 
 if TYPE_CHECKING:
     from lightning_emig.models.llama import LlamaConfig
 
 AXES: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp", "pp")
 PP_OPT_IN = "pipeline stages are opt-in (the model must be one that can be cut into stages, see keep_stage)"
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 
 
 class PickerError(ValueError):

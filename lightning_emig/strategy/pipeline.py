@@ -33,11 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_emig.layout import LayoutMesh, MeshAxis
-
-SCHEDULES = ("gpipe", "1f1b")
-"""Pipeline schedules the strategy runs (``pipeline_schedule=``). Interleaved schedules (several virtual stages per
-process) are not offered: the stage split and the migration geometry hold one contiguous stage per process."""
+from lightning_emig.layout import PIPELINE_SCHEDULES, LayoutMesh, MeshAxis, least_micro_batches
+from lightning_emig.migration.state import stage_modules
 
 
 class PipelineError(RuntimeError):
@@ -46,9 +43,9 @@ class PipelineError(RuntimeError):
 
 def check_schedule(name: str, pp: int, micro_batches: int) -> None:
     """Refuse a schedule that cannot run ``micro_batches`` per step over ``pp`` stages (before anything is built)."""
-    if name not in SCHEDULES:
-        raise ValueError(f"pipeline_schedule must be one of {list(SCHEDULES)}, got {name!r}")
-    if name == "1f1b" and micro_batches < pp:
+    if name not in PIPELINE_SCHEDULES:
+        raise ValueError(f"pipeline_schedule must be one of {list(PIPELINE_SCHEDULES)}, got {name!r}")
+    if micro_batches < least_micro_batches(name, pp):
         raise PipelineError(
             f"the 1f1b schedule needs at least as many micro-batches per step as stages: {micro_batches} < pp={pp}; "
             "raise global_batch_size, lower micro_batch_size, or use pipeline_schedule='gpipe'"
@@ -57,7 +54,7 @@ def check_schedule(name: str, pp: int, micro_batches: int) -> None:
 
 def find_stage(module: nn.Module) -> tuple[nn.Module, str, nn.Module]:
     """``(parent, attribute, stage)``: where in ``module`` the pipeline stage ``parallelize_model`` built sits."""
-    found = [(name, m) for name, m in module.named_modules() if getattr(m, "pipeline_split", None) is not None]
+    found = stage_modules(module)
     if len(found) != 1:
         where = ", ".join(name for name, _ in found) or "none"
         raise PipelineError(
@@ -251,5 +248,5 @@ def _plain_loss(output: Any) -> torch.Tensor:
     return sum(o.float().sum() * 0 for o in outputs if isinstance(o, torch.Tensor))  # type: ignore[return-value]
 
 
-__all__ = ["SCHEDULES", "PipelineDriver", "PipelineError", "check_schedule", "find_stage",
+__all__ = ["PipelineDriver", "PipelineError", "check_schedule", "find_stage",
            "param_groups_of_every_stage"]
