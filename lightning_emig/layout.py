@@ -5,9 +5,14 @@ A :class:`HybridLayout` names four degrees: ``dp_replicate`` (HSDP replicas), ``
 
 * a *resolved* layout has every degree >= 1 and their product equals the world size;
 * at most one degree is ``-1`` before resolution, meaning "whatever is left of the world";
-* the mesh axes are always laid out in the order ``pp, dp_replicate, dp_shard, tp`` (tp innermost, so
-  tensor-parallel peers are neighbouring ranks, i.e. on the same node), and every axis exists even when its
-  degree is 1, so geometry code can treat every layout alike;
+* the mesh axes are always laid out in the order ``pp, dp_replicate, dp_shard, tp``, and every axis exists even
+  when its degree is 1, so geometry code can treat every layout alike;
+* the *rank order* says how global ranks run over that mesh: by default row-major (``tp`` innermost, so
+  tensor-parallel peers are neighbouring ranks, i.e. on the same node); a layout may number ranks with the axes in
+  another order (``rank_order``, outermost first) so that, after a change, processes keep the shards they already
+  hold (see :mod:`lightning_emig.migration.rank_order`). Along every axis ranks still ascend with the coordinate
+  (torch sorts a sub-group's ranks: FSDP2 shards by that group rank, DTensor by coordinate), and ``dp_replicate``
+  stays outside ``dp_shard`` so the flattened ``dp`` axis ascends too;
 * the flattened data-parallel axis ``dp`` (``dp_replicate x dp_shard``) is what the sampler and the loss use.
 
 Vocabulary: an *axis* is a mesh axis, a *dim* is a tensor dimension.
@@ -17,7 +22,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +47,12 @@ class MeshAxis(str, enum.Enum):
 
 #: Order of the axes of every mesh we build (outermost first).
 MESH_AXIS_ORDER: tuple[MeshAxis, ...] = (MeshAxis.PP, MeshAxis.DP_REPLICATE, MeshAxis.DP_SHARD, MeshAxis.TP)
+
+#: The degrees of a layout (its fields other than the rank order).
+DEGREES: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp", "pp")
+
+#: Global ranks numbered row-major over :data:`MESH_AXIS_ORDER` (``rank_order=None``).
+DEFAULT_RANK_ORDER: tuple[str, ...] = tuple(axis.value for axis in MESH_AXIS_ORDER)
 
 
 PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
@@ -74,22 +85,26 @@ class HybridLayout:
     """Tensor-parallel degree; must divide attention heads, kv heads and the FFN width."""
     pp: int = 1
     """Pipeline-parallel stages; must not exceed the number of blocks."""
+    rank_order: tuple[str, ...] | None = None
+    """Mesh axes from the one whose coordinate changes slowest along the global ranks to the fastest; ``None``:
+    :data:`DEFAULT_RANK_ORDER`. Migration chooses it (it changes which process holds what, never what is held)."""
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
+        for name in DEGREES:
+            value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
-                raise LayoutError(f"layout degree {f.name} must be an int, got {value!r}")
+                raise LayoutError(f"layout degree {name} must be an int, got {value!r}")
             if value == 0 or value < -1:
-                raise LayoutError(f"layout degree {f.name}={value} must be a positive integer or -1 (the rest)")
-        free = [f.name for f in fields(self) if getattr(self, f.name) == -1]
+                raise LayoutError(f"layout degree {name}={value} must be a positive integer or -1 (the rest)")
+        free = [name for name in DEGREES if getattr(self, name) == -1]
         if len(free) > 1:
             raise LayoutError(f"at most one layout degree may be -1 (the rest of the world), got {free}")
+        object.__setattr__(self, "rank_order", _checked_rank_order(self.rank_order))
 
     # ------------------------------------------------------------------ degrees
     @property
     def is_resolved(self) -> bool:
-        return all(getattr(self, f.name) > 0 for f in fields(self))
+        return all(getattr(self, name) > 0 for name in DEGREES)
 
     @property
     def dp(self) -> int:
@@ -123,7 +138,7 @@ class HybridLayout:
         if world_size < 1:
             raise LayoutError(f"world size must be >= 1, got {world_size}")
         known = math.prod(v for v in (self.dp_replicate, self.dp_shard, self.tp, self.pp) if v > 0)
-        free = [f.name for f in fields(self) if getattr(self, f.name) == -1]
+        free = [name for name in DEGREES if getattr(self, name) == -1]
         if free:
             if world_size % known:
                 raise LayoutError(
@@ -147,10 +162,63 @@ class HybridLayout:
             raise LayoutError(f"pp={self.pp} is larger than the number of blocks ({n_layers})")
 
     def describe(self) -> str:
-        return f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} pp={self.pp}"
+        degrees = f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} pp={self.pp}"
+        return degrees if self.rank_order is None else f"{degrees} ranks={'>'.join(self.rank_order)}"
 
-    def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+    def as_dict(self) -> dict[str, Any]:
+        """The degrees, and the rank order where it is not the default (JSON-ready; ``HybridLayout(**d)`` reads it)."""
+        out: dict[str, Any] = {name: getattr(self, name) for name in DEGREES}
+        if self.rank_order is not None:
+            out["rank_order"] = list(self.rank_order)
+        return out
+
+    # ------------------------------------------------------------------ ranks
+    @property
+    def degrees(self) -> HybridLayout:
+        """This layout with the default rank order (what the degrees alone decide)."""
+        return replace(self, rank_order=None)
+
+    def with_rank_order(self, order: Sequence[str] | None) -> HybridLayout:
+        return replace(self, rank_order=None if order is None else tuple(order))
+
+    @property
+    def rank_axes(self) -> tuple[int, ...]:
+        """The rank order as indices into :data:`MESH_AXIS_ORDER` (slowest first)."""
+        index = {name: i for i, name in enumerate(DEFAULT_RANK_ORDER)}
+        return tuple(index[name] for name in (self.rank_order or DEFAULT_RANK_ORDER))
+
+    def rank_grid(self) -> list[int]:
+        """The global rank at every mesh coordinate, row-major over :attr:`mesh_shape` (what ``DeviceMesh`` takes)."""
+        import itertools
+
+        shape = self.mesh_shape
+        strides = _strides(shape, self.rank_axes)
+        return [sum(c * s for c, s in zip(coord, strides, strict=True))
+                for coord in itertools.product(*(range(n) for n in shape))]
+
+
+def _strides(shape: Sequence[int], order: Sequence[int]) -> list[int]:
+    """Rank stride of every axis of ``shape`` when ranks run over the axes in ``order`` (slowest first)."""
+    strides = [0] * len(shape)
+    step = 1
+    for axis in reversed(order):
+        strides[axis] = step
+        step *= shape[axis]
+    return strides
+
+
+def _checked_rank_order(order: Sequence[str] | None) -> tuple[str, ...] | None:
+    if order is None:
+        return None
+    if isinstance(order, str):
+        order = [part.strip() for part in order.replace(">", ",").split(",")]
+    order = tuple(str(name) for name in order)
+    if sorted(order) != sorted(DEFAULT_RANK_ORDER):
+        raise LayoutError(f"rank_order {list(order)} must name each of {list(DEFAULT_RANK_ORDER)} once")
+    if order.index("dp_replicate") > order.index("dp_shard"):
+        raise LayoutError(f"rank_order {list(order)}: dp_replicate must come before dp_shard (the flattened data "
+                          "axis must number its ranks in ascending order)")
+    return None if order == DEFAULT_RANK_ORDER else order
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,8 +253,8 @@ def build_mesh(layout: HybridLayout, device_type: str, ranks: Sequence[int] | No
     Args:
         layout: A resolved layout.
         device_type: ``"cpu"`` or ``"cuda"``.
-        ranks: The default group's ranks the mesh spans, ascending, in mesh order (row-major over
-            ``layout.mesh_shape``); ``None`` means all of them (``0..world-1``). A subset lets two meshes of
+        ranks: The default group's ranks the mesh spans, ascending, in the layout's rank order (row-major over
+            ``layout.mesh_shape`` by default); ``None`` means all of them (``0..world-1``). A subset lets two meshes of
             different worlds live in one default group (migration between worlds: the old mesh over the old
             processes, the new one over the new). Creating a mesh creates sub-groups, a collective over the whole
             default group: *every* process of the default group must call this, in the same order and with the
@@ -201,7 +269,8 @@ def build_mesh(layout: HybridLayout, device_type: str, ranks: Sequence[int] | No
     layout.require_resolved()
     names = tuple(axis.value for axis in MESH_AXIS_ORDER)
     bounded = _bounded_groups(device_type, timeout)
-    if ranks is not None:
+    if ranks is not None or layout.rank_order is not None:
+        ranks = range(layout.world_size) if ranks is None else ranks
         return _build_mesh_over(layout, device_type, [int(r) for r in ranks], names, bounded)
     root = init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=names,
                             backend_override=dict.fromkeys(range(len(names)), bounded) if bounded else None)
@@ -254,7 +323,8 @@ def _build_mesh_over(layout: HybridLayout, device_type: str, ranks: list[int], n
     world = dist.get_world_size()
     if any(not 0 <= r < world for r in ranks):
         raise LayoutError(f"mesh ranks {ranks} are not all ranks of the default group (size {world})")
-    grid = torch.tensor(ranks, dtype=torch.int64).reshape(layout.mesh_shape)
+    # position i of the layout's rank order is default-group rank ranks[i]
+    grid = torch.tensor(ranks, dtype=torch.int64)[torch.tensor(layout.rank_grid())].reshape(layout.mesh_shape)
     root = DeviceMesh(device_type, grid, mesh_dim_names=names,
                       backend_override=(bounded,) * len(names) if bounded else None)
     pp, dp_replicate, dp_shard, tp = layout.mesh_shape

@@ -112,3 +112,54 @@ def test_every_mesh_group_honours_the_configured_timeout() -> None:
 
     timeouts = run_distributed(_group_timeouts, 4, timeout_s=120)[0]
     assert timeouts == {**dict.fromkeys([a.value for a in MESH_AXIS_ORDER], 17.0), "dp": 17.0, "over_dp": 19.0}
+
+
+# ------------------------------------------------------------------------------------------- rank order
+def test_a_rank_order_names_every_axis_once_with_replicas_outside_shards() -> None:
+    layout = HybridLayout(pp=2, dp_shard=2, rank_order="dp_replicate>dp_shard>pp>tp")
+    assert layout.rank_order == ("dp_replicate", "dp_shard", "pp", "tp")
+    assert HybridLayout(rank_order=["pp", "dp_replicate", "dp_shard", "tp"]).rank_order is None  # the default
+    assert HybridLayout(**layout.resolve(4).as_dict()) == layout.resolve(4)  # survives JSON
+    assert "ranks=dp_replicate>dp_shard>pp>tp" in layout.describe()
+    with pytest.raises(LayoutError, match="must name each of"):
+        HybridLayout(rank_order=["pp", "tp"])
+    with pytest.raises(LayoutError, match="dp_replicate must come before dp_shard"):
+        HybridLayout(rank_order=["dp_shard", "dp_replicate", "pp", "tp"])
+
+
+def test_the_rank_grid_is_the_geometrys_rank_of_every_coordinate() -> None:
+    import itertools
+
+    from lightning_emig.migration.geometry import rank_to_coordinate
+    from lightning_emig.migration.rank_order import candidate_orders
+
+    orders = candidate_orders(HybridLayout(pp=2, dp_replicate=2, dp_shard=3, tp=2).resolve(24))
+    assert len(orders) == 12
+    for layout in orders:
+        coords = itertools.product(*(range(n) for n in layout.mesh_shape))
+        grid = layout.rank_grid()
+        assert sorted(grid) == list(range(24))
+        assert all(rank_to_coordinate(r, layout.mesh_shape, layout.rank_axes) == c
+                   for r, c in zip(grid, coords, strict=True))
+
+
+def _mesh_groups(rank: int, world: int) -> dict[str, list[int]]:
+    import torch.distributed as dist
+
+    from lightning_emig.layout import build_mesh
+
+    mesh = build_mesh(HybridLayout(pp=2, dp_shard=2, rank_order="dp_replicate>dp_shard>pp>tp").resolve(world), "cpu")
+    axes = {axis.value: dist.get_process_group_ranks(mesh[axis].get_group()) for axis in (MeshAxis.PP,
+                                                                                          MeshAxis.DP_SHARD)}
+    return {**axes, "coordinate": list(mesh.root.get_coordinate())}
+
+
+@pytest.mark.multiprocess
+def test_a_mesh_numbers_its_ranks_in_the_layouts_rank_order() -> None:
+    from lightning_emig.testing.distributed import run_distributed
+
+    results = run_distributed(_mesh_groups, 4, timeout_s=60)
+    # dp_shard slowest: ranks 0, 1 are shard 0 of stages 0, 1; ranks 2, 3 shard 1
+    assert [r["coordinate"] for r in results] == [[0, 0, 0, 0], [1, 0, 0, 0], [0, 0, 1, 0], [1, 0, 1, 0]]
+    assert [r["pp"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["dp_shard"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from lightning_emig.layout import HybridLayout
-from lightning_emig.migration.planner import TensorMigration, assign_new_ranks, plan_all
+from lightning_emig.migration.planner import IdentityMap, TensorMigration, plan_all
+from lightning_emig.migration.rank_order import choose_rank_order
 from lightning_emig.models.llama import MODEL_SIZES, Llama
 from lightning_emig.pick import main as pick_main
 from lightning_emig.picker import (
@@ -133,18 +134,37 @@ def test_migration_estimate_equals_the_planners_plan() -> None:
         ranges = {lay: stage_ranges(config, lay.pp) for lay in (old, new)}
         tensors = [TensorMigration(t.name, MIGRATED_BYTES_PER_ELEMENT, sharding_of(t, old, ranges[old]),
                                    sharding_of(t, new, ranges[new])) for t in param_tensors(config)]
-        joiners = list(range(old.world_size, max(old.world_size, new.world_size)))
-        identity = assign_new_ranks(tensors, old_world=old.world_size, new_world=new.world_size,
-                                    survivors={r: r for r in range(old.world_size)}, joiners=joiners).identity
+        identity = IdentityMap.first_ranks(old.world_size, new.world_size)  # a change of world keeps the order
         planned = sum(plan.bytes_received for plan in plan_all(tensors, identity).values())
         assert estimate_migration_bytes(config, old, new) == planned > 0
+
+
+def test_on_the_same_processes_the_estimate_uses_the_rank_order_a_live_change_chooses() -> None:
+    """FSDP over 4 -> two stages of FSDP over 2 on one node: the estimate is the plan under the rank order
+    choose_rank_order picks (each process keeps its quarter of its stage), fewer bytes than the default order's."""
+    config = MODEL_SIZES["tiny"]
+    old, new = layout(1, 4, 1), layout(1, 2, 1, 2)
+    ranges = {lay.pp: stage_ranges(config, lay.pp) for lay in (old, new)}
+
+    def tensors_for(a: HybridLayout, b: HybridLayout) -> list[TensorMigration]:
+        return [TensorMigration(t.name, MIGRATED_BYTES_PER_ELEMENT, sharding_of(t, a, ranges[a.pp]),
+                                sharding_of(t, b, ranges[b.pp])) for t in param_tensors(config)]
+
+    identity = IdentityMap.same_processes(4)
+    chosen = choose_rank_order(old, new, tensors_for, identity).layout
+    assert chosen.rank_order is not None
+    planned, default = (sum(p.bytes_received for p in plan_all(tensors_for(old, lay), identity).values())
+                        for lay in (chosen, new))
+    assert estimate_migration_bytes(config, old, new) == planned < default
 
 
 def test_migration_estimate_on_the_1b_model() -> None:
     state = MIGRATED_BYTES_PER_ELEMENT * LLAMA_1B.num_params()
     assert estimate_migration_bytes(LLAMA_1B, layout(1, 8, 1), layout(1, 8, 1)) == 0
-    # Doubling FSDP: each of the 16 new ranks needs 1/16 of the state; the 8 old ones keep half of theirs.
-    assert estimate_migration_bytes(LLAMA_1B, layout(1, 8, 1), layout(1, 16, 1)) == pytest.approx(state / 2, rel=1e-3)
+    # Doubling FSDP, the joiners ranked after the survivors (the launcher's order, which a change of world keeps):
+    # new rank r < 8 holds the r-th sixteenth, old rank r held the r-th eighth: only rank 0's sixteenth stays.
+    assert estimate_migration_bytes(LLAMA_1B, layout(1, 8, 1), layout(1, 16, 1)) == pytest.approx(state * 15 / 16,
+                                                                                                  rel=1e-3)
 
 
 # -------------------------------------------------------------------------------- the picker's tables
@@ -274,8 +294,6 @@ def test_near_ties_are_broken_by_migration_bytes() -> None:
     stay = pick_layout(64, LLAMA_1B, current=pure, **common)
     assert stay.layout == pure and stay.chosen.migration_bytes == 0
     assert "preferred for fewer migration bytes (0.00 GB vs" in stay.explanation
-    # Re-sharding HSDP into finer FSDP shards on the same devices moves nothing (ranks are re-assigned).
-    assert estimate_migration_bytes(LLAMA_1B, layout(2, 4, 1), layout(1, 8, 1)) == 0
 
 
 def pure_time(result: PickResult) -> float:

@@ -30,9 +30,14 @@ from lightning_emig.migration.planner import (
     StateLostError,
     TensorMigration,
     Transfer,
-    assign_new_ranks,
     plan_all,
     plan_for_rank,
+)
+from lightning_emig.migration.rank_order import (
+    LOCAL_AXES,
+    candidate_orders,
+    choose_rank_order,
+    groups_across_nodes,
 )
 from lightning_emig.migration.stages import split_stages, stage_of
 
@@ -93,7 +98,8 @@ def layouts(world: int) -> st.SearchStrategy[HybridLayout]:
         tp = draw(st.sampled_from([d for d in range(1, rest + 1) if rest % d == 0]))
         rest //= tp
         dp_replicate = draw(st.sampled_from([d for d in range(1, rest + 1) if rest % d == 0]))
-        return HybridLayout(pp=pp, tp=tp, dp_replicate=dp_replicate, dp_shard=rest // dp_replicate)
+        layout = HybridLayout(pp=pp, tp=tp, dp_replicate=dp_replicate, dp_shard=rest // dp_replicate)
+        return draw(st.sampled_from(candidate_orders(layout)))  # ranks numbered in any order migration may choose
 
     return build()
 
@@ -229,18 +235,18 @@ def test_plans_are_minimal_exact_and_agreed(case, split_min_bytes: int) -> None:
 
 @given(transitions())
 @settings(max_examples=40, deadline=None)
-def test_rank_assignment_never_loses_to_the_naive_map(case) -> None:
+def test_the_chosen_rank_order_never_loses_to_the_default(case) -> None:
     old, new, identity = case
-    tensors = migrations(old, new)
-    survivors = {p.pid: p.old_rank for p in identity.processes if p.old_rank is not None}
-    joiners = [p.pid for p in identity.processes if p.old_rank is None]
-    result = assign_new_ranks(
-        tensors, old_world=old.world_size, new_world=new.world_size, survivors=survivors, joiners=joiners
-    )
-    assert result.bytes_saved >= 0
-    _, kept = minimum_bytes(tensors, result.identity)
-    assert kept == result.bytes_in_place  # the assignment's estimate is what the planner copies locally
-    check_plans(tensors, result.identity, PlanOptions())
+    choice = choose_rank_order(old, new, migrations, identity)
+    assert choice.bytes_in_place >= choice.default_bytes_in_place
+    assert choice.layout.degrees == new.degrees
+    tensors = migrations(old, choice.layout)
+    _, kept = minimum_bytes(tensors, identity)
+    assert kept == choice.bytes_in_place  # the choice's count is what the planner copies locally
+    nodes = [identity.by_new_rank(r).node for r in range(identity.new_world)]
+    spread, default_spread = (groups_across_nodes(lay, nodes) for lay in (choice.layout, new.degrees))
+    assert all(spread[axis] <= default_spread[axis] for axis in LOCAL_AXES)
+    check_plans(tensors, identity, PlanOptions())
 
 
 # --------------------------------------------------------------------------------------------- examples
@@ -336,39 +342,22 @@ def test_identity_map_is_validated() -> None:
         plan_for_rank(tensors, IdentityMap.same_processes(3), 0)
 
 
-def test_rank_assignment_keeps_shards_in_place_on_scale_up() -> None:
-    # dp_shard 2 -> 4 with two joiners: old rank 1 holds the second half, i.e. new ranks 2 and 3's quarters.
-    tensors = migrations(HybridLayout(dp_shard=2).resolve(2), HybridLayout(dp_shard=4).resolve(4))
-    result = assign_new_ranks(tensors, old_world=2, new_world=4, survivors={0: 0, 1: 1}, joiners=[10, 11])
-    assert result.identity.process(1).new_rank in (2, 3)
-    assert result.bytes_saved > 0
-    needed_naive, _ = minimum_bytes(
-        tensors,
-        IdentityMap(
-            (
-                ProcessInfo(0, 0, 0, 0),
-                ProcessInfo(1, 0, 1, 1),
-                ProcessInfo(10, 0, None, 2),
-                ProcessInfo(11, 0, None, 3),
-            ),
-            2,
-            4,
-        ),
-    )
-    needed, _ = minimum_bytes(tensors, result.identity)
-    assert needed_naive - needed == result.bytes_saved
-
-
-def test_rank_assignment_drops_extra_processes() -> None:
-    tensors = migrations(HybridLayout(dp_shard=4).resolve(4), HybridLayout(dp_shard=2).resolve(2))
-    result = assign_new_ranks(
-        tensors, old_world=4, new_world=2, survivors={0: 0, 1: 1, 2: 2, 3: 3}, joiners=[9]
-    )
-    assert sorted(p.new_rank for p in result.identity.processes if p.new_rank is not None) == [0, 1]
-    assert result.identity.process(9).new_rank is None
-    check_plans(tensors, result.identity, PlanOptions())
-    with pytest.raises(PlanError, match="cannot fill a new world of 5"):
-        assign_new_ranks(tensors, old_world=4, new_world=5, survivors={0: 0, 1: 1, 2: 2, 3: 3})
+def test_fsdp_to_stages_numbers_ranks_so_each_keeps_its_shard_within_a_node() -> None:
+    """dp_shard 4 -> pp 2 x dp_shard 2 on four processes. Default order: stage 0 on ranks 0, 1, and rank 1 (which
+    held the second quarter of every tensor) keeps nothing of stage 0's second half. With dp_shard slowest, stage 0
+    is on ranks 0 and 2, stage 1 on 1 and 3, and every process keeps its quarter of its stage. Across two nodes that
+    order would put every FSDP group across them: the default stays."""
+    old, new = HybridLayout(dp_shard=4).resolve(4), HybridLayout(pp=2, dp_shard=2).resolve(4)
+    one_node = IdentityMap.same_processes(4)
+    choice = choose_rank_order(old, new, migrations, one_node)
+    assert choice.layout.rank_order is not None
+    assert choice.layout.rank_order.index("dp_shard") < choice.layout.rank_order.index("pp")
+    assert choice.bytes_in_place > choice.default_bytes_in_place
+    needed, _ = minimum_bytes(migrations(old, choice.layout), one_node)
+    needed_default, _ = minimum_bytes(migrations(old, new), one_node)
+    assert needed_default - needed == choice.bytes_saved
+    two_nodes = IdentityMap.same_processes(4, nodes=[0, 0, 1, 1])
+    assert choose_rank_order(old, new, migrations, two_nodes).layout == new
 
 
 def test_a_ranks_planning_work_does_not_grow_with_the_world(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,7 +2,8 @@
 
 ``boxes`` and ``geometry`` say which global box every rank of a layout holds (``stages`` which pipeline stage
 owns a parameter); ``planner`` turns the old and new geometry plus the identity map (which process keeps which
-rank) into each process's own copies, sends and receives; ``state`` names the training state as migratable
+rank) into each process's own copies, sends and receives; ``rank_order`` chooses how a new layout numbers its
+processes so the most state stays in place; ``state`` names the training state as migratable
 tensors; ``transfer`` runs a plan in bucketed point-to-point rounds; ``engine.migrate`` ties them together.
 """
 
@@ -26,12 +27,10 @@ from lightning_emig.migration.planner import (
     PlanError,
     PlanOptions,
     ProcessInfo,
-    RankAssignment,
     RankPlan,
     StateLostError,
     TensorMigration,
     Transfer,
-    assign_new_ranks,
     plan_all,
     plan_for_rank,
 )
@@ -47,7 +46,6 @@ __all__ = [
     "PlanError",
     "PlanOptions",
     "ProcessInfo",
-    "RankAssignment",
     "RankPlan",
     "ShardBox",
     "Source",
@@ -55,7 +53,6 @@ __all__ = [
     "TensorMigration",
     "TensorSharding",
     "Transfer",
-    "assign_new_ranks",
     "coordinate_to_rank",
     "normalize_placement",
     "plan_all",

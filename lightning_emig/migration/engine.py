@@ -242,7 +242,7 @@ def _cached_plan(
            pid, planning)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = plan_for_rank(_tensor_migrations(old_specs, new_specs, old_layout, new_layout), identity, pid, planning)
+        plan = plan_for_rank(tensor_migrations(old_specs, new_specs, old_layout, new_layout), identity, pid, planning)
         _PLANS[key] = plan
         while len(_PLANS) > _PLAN_CACHE_SIZE:
             _PLANS.popitem(last=False)
@@ -250,9 +250,10 @@ def _cached_plan(
     return plan
 
 
-def _tensor_migrations(
+def tensor_migrations(
     old_specs: dict[str, ShardingSpec], new_specs: dict[str, ShardingSpec], old: HybridLayout, new: HybridLayout
 ) -> list[TensorMigration]:
+    """Every tensor of the specs, placed on ``old`` and on ``new`` (the planner's input)."""
     if set(old_specs) != set(new_specs):
         missing, extra = sorted(set(old_specs) - set(new_specs)), sorted(set(new_specs) - set(old_specs))
         raise ValueError(

@@ -16,7 +16,8 @@ Model and invariants:
   several pieces.
 * Over all coordinates, every element is held exactly ``replicas`` times: the product of the sizes of the axes that
   do not shard the tensor (with a pipeline ``stage``, only coordinates of that stage hold anything).
-* Mesh coordinates are row-major over ``mesh = arange(world).reshape(mesh_shape)``.
+* Ranks run row-major over the mesh coordinates (``mesh = arange(world).reshape(mesh_shape)``), or over the axes in
+  ``rank_axes`` order (slowest first) where a layout numbers its ranks another way.
 """
 
 from __future__ import annotations
@@ -129,6 +130,7 @@ class TensorSharding:
             ``dp`` mesh dim spans ``dp_replicate`` and ``dp_shard``). Axes in no group hold replicas.
         stage: When set, only coordinates with ``coordinate[stage_axis] == stage`` hold the tensor (pipeline stage
             ownership); other coordinates hold nothing at all.
+        rank_axes: The axes of ``mesh_shape`` from slowest to fastest along the ranks; ``None``: row-major.
     """
 
     global_shape: tuple[int, ...]
@@ -137,6 +139,7 @@ class TensorSharding:
     axis_groups: tuple[tuple[int, ...], ...]
     stage: int | None = None
     stage_axis: int = 0
+    rank_axes: tuple[int, ...] | None = None
     steps: tuple[_Step, ...] = field(init=False, repr=False, compare=False)
     _replica_axes: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
@@ -180,6 +183,7 @@ class TensorSharding:
         axis_groups: Sequence[Sequence[int]] | None = None,
         stage: int | None = None,
         stage_axis: int = 0,
+        rank_axes: Sequence[int] | None = None,
     ) -> TensorSharding:
         """Build from torch placements; without ``axis_groups`` the tensor's mesh is the whole mesh."""
         shape = tuple(int(n) for n in global_shape)
@@ -189,7 +193,12 @@ class TensorSharding:
             else tuple(tuple(g) for g in axis_groups)
         )
         specs = tuple(normalize_placement(p, len(shape)) for p in placements)
-        return cls(shape, tuple(int(n) for n in mesh_shape), specs, groups, stage, stage_axis)
+        order = None if rank_axes is None else tuple(int(a) for a in rank_axes)
+        if order is not None and sorted(order) != list(range(len(mesh_shape))):
+            raise GeometryError(f"rank axes {order} must order every axis of mesh {tuple(mesh_shape)} once")
+        if order == tuple(range(len(mesh_shape))):
+            order = None
+        return cls(shape, tuple(int(n) for n in mesh_shape), specs, groups, stage, stage_axis, order)
 
     @classmethod
     def for_layout(
@@ -216,7 +225,8 @@ class TensorSharding:
         if unknown:
             raise GeometryError(f"mesh dim names {unknown} are not layout axes {sorted(index_groups)}")
         groups = [index_groups[n] for n in mesh_dim_names]
-        return cls.create(global_shape, layout.mesh_shape, placements, axis_groups=groups, stage=stage)
+        return cls.create(global_shape, layout.mesh_shape, placements, axis_groups=groups, stage=stage,
+                          rank_axes=layout.rank_axes)
 
     # ---------------------------------------------------------------------- queries
     @property
@@ -240,11 +250,11 @@ class TensorSharding:
         return _holding(self, tuple(coord[a] for s in self.steps for a in s.axes))
 
     def holding_of_rank(self, rank: int) -> Holding | None:
-        return self.holding(rank_to_coordinate(rank, self.mesh_shape))
+        return self.holding(rank_to_coordinate(rank, self.mesh_shape, self.rank_axes))
 
     def replica_ranks(self, rank: int) -> tuple[int, ...]:
         """Every rank holding exactly what ``rank`` holds (itself included), ascending; empty off-stage."""
-        coord = rank_to_coordinate(rank, self.mesh_shape)
+        coord = rank_to_coordinate(rank, self.mesh_shape, self.rank_axes)
         if self.stage is not None and coord[self.stage_axis] != self.stage:
             return ()
         return self.ranks_varying_replicas(coord)
@@ -273,7 +283,7 @@ class TensorSharding:
         for values in itertools.product(*(range(self.mesh_shape[a]) for a in self._replica_axes)):
             for a, v in zip(self._replica_axes, values, strict=True):
                 base[a] = v
-            ranks.append(coordinate_to_rank(base, self.mesh_shape))
+            ranks.append(coordinate_to_rank(base, self.mesh_shape, self.rank_axes))
         return tuple(sorted(ranks))
 
 
@@ -455,17 +465,27 @@ def shard_boxes(
     return {c: h.box for c, h in shard_holdings(global_shape, mesh_shape, placements).items()}
 
 
-def rank_to_coordinate(rank: int, mesh_shape: Sequence[int]) -> Coordinate:
-    """Mesh coordinate of ``rank`` on ``arange(world).reshape(mesh_shape)``."""
+def rank_to_coordinate(rank: int, mesh_shape: Sequence[int], rank_axes: Sequence[int] | None = None) -> Coordinate:
+    """Mesh coordinate of ``rank`` when ranks run over the axes in ``rank_axes`` order (slowest first; ``None``:
+    row-major, ``arange(world).reshape(mesh_shape)``)."""
     world = math.prod(mesh_shape)
     if not 0 <= rank < world:
         raise GeometryError(f"rank {rank} is outside a world of {world} (mesh {tuple(mesh_shape)})")
-    return _unravel(rank, tuple(mesh_shape))
+    if rank_axes is None:
+        return _unravel(rank, tuple(mesh_shape))
+    values = _unravel(rank, tuple(mesh_shape[a] for a in rank_axes))
+    coord = [0] * len(mesh_shape)
+    for a, v in zip(rank_axes, values, strict=True):
+        coord[a] = v
+    return tuple(coord)
 
 
-def coordinate_to_rank(coordinate: Sequence[int], mesh_shape: Sequence[int]) -> int:
+def coordinate_to_rank(coordinate: Sequence[int], mesh_shape: Sequence[int],
+                       rank_axes: Sequence[int] | None = None) -> int:
     if len(coordinate) != len(mesh_shape) or any(
         not 0 <= c < n for c, n in zip(coordinate, mesh_shape, strict=True)
     ):
         raise GeometryError(f"coordinate {tuple(coordinate)} is not on mesh {tuple(mesh_shape)}")
-    return _ravel(coordinate, mesh_shape)
+    if rank_axes is None:
+        return _ravel(coordinate, mesh_shape)
+    return _ravel([coordinate[a] for a in rank_axes], [mesh_shape[a] for a in rank_axes])

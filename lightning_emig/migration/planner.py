@@ -27,7 +27,7 @@ by rotating on ``new_rank + tensor index``, so receivers of the same shard sprea
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from lightning_emig.migration.geometry import LocalPiece, ShardBox, Source, TensorSharding
@@ -451,105 +451,3 @@ def _transfer(
         dst_start=new_piece.local_offset(box),
         nbytes=box.numel * tensor.itemsize,
     )
-
-
-# ----------------------------------------------------------------------------------------- rank assignment
-@dataclass(frozen=True, slots=True)
-class RankAssignment:
-    """New ranks for the processes of a changing world, chosen to keep the most bytes in place."""
-
-    identity: IdentityMap
-    bytes_in_place: int
-    """Bytes every process already holds of its new shards (copied locally, never sent)."""
-    naive_bytes_in_place: int
-    """The same under the naive map: survivors by old rank take new ranks 0, 1, ..., then joiners."""
-
-    @property
-    def bytes_saved(self) -> int:
-        """Bytes that need not cross the network thanks to this assignment, compared with the naive one."""
-        return self.bytes_in_place - self.naive_bytes_in_place
-
-
-def assign_new_ranks(
-    tensors: Sequence[TensorMigration],
-    *,
-    old_world: int,
-    new_world: int,
-    survivors: Mapping[int, int],
-    joiners: Sequence[int] = (),
-    nodes: Mapping[int, Hashable] | None = None,
-) -> RankAssignment:
-    """Map new ranks onto processes so the most state stays where it is.
-
-    Args:
-        tensors: The state, with old and new geometry.
-        survivors: ``pid -> old rank`` for live processes that held state.
-        joiners: Pids of new processes (they hold nothing).
-        nodes: ``pid -> node`` (default: one node).
-
-    Greedy maximum-weight matching over the sparse (survivor, new rank) overlaps, heaviest first with ties broken
-    by (old rank, new rank); the result is never worse than the naive map (it falls back to it). Processes left
-    without a new rank leave (they still send). Cost: each survivor's pieces times the new pieces they overlap.
-    """
-    nodes = nodes or {}
-    candidates = len(survivors) + len(joiners)
-    if candidates < new_world:
-        raise PlanError(f"{candidates} processes cannot fill a new world of {new_world}")
-    weights = _overlap_bytes(tensors, survivors)
-    greedy = _greedy_assignment(weights, survivors, joiners, new_world)
-    naive = _naive_assignment(survivors, joiners, new_world)
-    greedy_bytes = sum(weights.get((pid, r), 0) for pid, r in greedy.items())
-    naive_bytes = sum(weights.get((pid, r), 0) for pid, r in naive.items())
-    chosen, kept = (greedy, greedy_bytes) if greedy_bytes > naive_bytes else (naive, naive_bytes)
-    procs = [
-        ProcessInfo(pid, nodes.get(pid, 0), survivors.get(pid), chosen.get(pid))
-        for pid in [*survivors, *joiners]
-    ]
-    identity = IdentityMap(tuple(procs), old_world, new_world)
-    return RankAssignment(identity, kept, naive_bytes)
-
-
-def _overlap_bytes(
-    tensors: Sequence[TensorMigration], survivors: Mapping[int, int]
-) -> dict[tuple[int, int], int]:
-    """Bytes each survivor already holds of each new rank's shards (only overlapping pairs appear)."""
-    weights: dict[tuple[int, int], int] = {}
-    for tensor in tensors:
-        for pid, old_rank in survivors.items():
-            holding = tensor.old.holding_of_rank(old_rank)
-            if holding is None:
-                continue
-            for piece in holding.pieces:
-                for target in tensor.new.sources(piece.global_box):
-                    common = piece.global_box.intersect(target.piece.global_box)
-                    if common is None:
-                        continue
-                    for new_rank in target.ranks:
-                        key = (pid, new_rank)
-                        weights[key] = weights.get(key, 0) + common.numel * tensor.itemsize
-    return weights
-
-
-def _greedy_assignment(
-    weights: Mapping[tuple[int, int], int],
-    survivors: Mapping[int, int],
-    joiners: Sequence[int],
-    new_world: int,
-) -> dict[int, int]:
-    chosen: dict[int, int] = {}
-    taken: set[int] = set()
-    for (pid, new_rank), _ in sorted(weights.items(), key=lambda kv: (-kv[1], survivors[kv[0][0]], kv[0][1])):
-        if pid not in chosen and new_rank not in taken:
-            chosen[pid] = new_rank
-            taken.add(new_rank)
-    # the rest overlaps nothing that is still free: fill ranks in order, survivors (by old rank) before joiners
-    waiting = [p for p in sorted(survivors, key=lambda p: survivors[p]) if p not in chosen] + list(joiners)
-    free = (r for r in range(new_world) if r not in taken)
-    for new_rank, pid in zip(free, waiting, strict=False):
-        chosen[pid] = new_rank
-    return chosen
-
-
-def _naive_assignment(survivors: Mapping[int, int], joiners: Sequence[int], new_world: int) -> dict[int, int]:
-    order = sorted(survivors, key=lambda p: survivors[p]) + list(joiners)
-    return {pid: new_rank for new_rank, pid in zip(range(new_world), order, strict=False)}

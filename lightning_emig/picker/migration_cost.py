@@ -6,8 +6,11 @@ placements training gives each parameter (pinned by ``tests/test_parallel_parity
 Invariants:
 
 * the result is the bytes every process must receive that it does not already hold, summed over processes, under
-  the identity map :func:`~lightning_emig.migration.planner.assign_new_ranks` chooses (most bytes kept in place);
-* every old rank is assumed alive to send (a change with notice); processes beyond the old world are joiners;
+  the rank order a live change uses: on the same processes the one
+  :func:`~lightning_emig.migration.rank_order.choose_rank_order` picks (most bytes kept in place, TP and FSDP groups
+  no less node-local), across a change of world the default one;
+* every old rank is assumed alive to send (a change with notice) and keeps its rank; processes beyond the old world
+  are joiners; ranks fill nodes of ``devices_per_node`` in order;
 * the migrated state is what training migrates: the fp32 parameter and AdamW's two fp32 moments (12 bytes an
   element; AdamW's scalar ``step`` is ignored); gradients are not migrated;
 * tensors of equal shape and placement are planned once, weighted by their count (bytes are linear in it).
@@ -19,7 +22,8 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from lightning_emig.migration.geometry import REPLICATE, PlacementSpec, TensorSharding
-from lightning_emig.migration.planner import TensorMigration, assign_new_ranks
+from lightning_emig.migration.planner import IdentityMap, ProcessInfo, TensorMigration
+from lightning_emig.migration.rank_order import bytes_in_place, choose_rank_order
 from lightning_emig.migration.stages import stage_of, stage_ranges_by_name
 from lightning_emig.picker.shapes import ParamTensor, param_tensors
 
@@ -56,17 +60,22 @@ def sharding_of(tensor: ParamTensor, layout: HybridLayout, ranges: tuple[range, 
 
 
 def estimate_migration_bytes(model: LlamaConfig, old: HybridLayout, new: HybridLayout, *,
-                             bytes_per_element: int = MIGRATED_BYTES_PER_ELEMENT) -> int:
+                             bytes_per_element: int = MIGRATED_BYTES_PER_ELEMENT, devices_per_node: int = 8) -> int:
     """Bytes received over the network when the state moves from ``old`` to ``new`` (both resolved)."""
     if old == new:
         return 0
-    tensors = _grouped_migrations(model, old, new, bytes_per_element)
-    survivors = {pid: pid for pid in range(old.world_size)}
-    joiners = list(range(old.world_size, max(old.world_size, new.world_size)))
-    assignment = assign_new_ranks(tensors, old_world=old.world_size, new_world=new.world_size,
-                                  survivors=survivors, joiners=joiners)
+
+    def tensors_for(a: HybridLayout, b: HybridLayout) -> list[TensorMigration]:
+        return _grouped_migrations(model, a, b, bytes_per_element)
+
+    identity = IdentityMap(tuple(
+        ProcessInfo(p, p // devices_per_node, p if p < old.world_size else None, p if p < new.world_size else None)
+        for p in range(max(old.world_size, new.world_size))), old.world_size, new.world_size)
+    if old.world_size == new.world_size and new.rank_order is None:
+        new = choose_rank_order(old, new, tensors_for, identity).layout
+    tensors = tensors_for(old, new)
     needed = sum(t.new.replicas * _numel(t.new.global_shape) * t.itemsize for t in tensors)
-    return needed - assignment.bytes_in_place
+    return needed - bytes_in_place(tensors, identity)
 
 
 def _grouped_migrations(model: LlamaConfig, old: HybridLayout, new: HybridLayout,

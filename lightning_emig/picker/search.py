@@ -114,7 +114,7 @@ def pick_layout(
     constraints = constraints or PickerConstraints()
     constraints.check_model(model, seq_len=seq_len)
     problem = Problem(world, model, global_batch_size, seq_len, constraints, profile or HardwareProfile())
-    cost = migration_bytes or _default_cost(model)
+    cost = migration_bytes or _default_cost(model, constraints.devices_per_node)
     if world in constraints.table:
         return _pinned(problem, constraints.table[world], current, cost)
     candidates = _enumerate(problem)
@@ -134,10 +134,10 @@ def pick_layout(
                       current)
 
 
-def _default_cost(model: LlamaConfig) -> MigrationBytes:
+def _default_cost(model: LlamaConfig, devices_per_node: int) -> MigrationBytes:
     @lru_cache(maxsize=256)
     def cost(old: HybridLayout, new: HybridLayout) -> int:
-        return estimate_migration_bytes(model, old, new)
+        return estimate_migration_bytes(model, old, new, devices_per_node=devices_per_node)
 
     return cost
 
