@@ -40,6 +40,9 @@ class LayoutSection:
     dp_shard: int = -1
     tp: int = 1
     pp: int = 1
+    rank_order: Optional[str] = None  # noqa: UP045
+    """Rank numbering, slowest mesh axis first, e.g. ``"dp_replicate>pp>dp_shard>tp"``; None: the default
+    (``pp>dp_replicate>dp_shard>tp``), and a live change's choice (see ``lightning_emig.migration.rank_order``)."""
 
 
 @dataclass(kw_only=True)

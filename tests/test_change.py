@@ -18,3 +18,69 @@ def test_a_change_followed_by_its_completion_is_one_change_from_the_first_world_
     assert (whole.old_layout.dp_shard, whole.new_layout.dp_shard) == (3, 2)
     assert (whole.bytes_moved, whole.bytes_copied_locally) == (1000, 510)
     assert list(whole.seconds) == ["handshake", "transfer"] and whole.seconds["transfer"] == 0.75
+
+
+def _fsdp_specs() -> dict[str, object]:
+    """Four blocks' weights, FSDP-sharded on dim 0 (what a drain lays out: the old specs' placements)."""
+    import torch
+    from torch.distributed.tensor import Shard
+
+    from lightning_emig.migration.stages import StageOwner, StageSplit
+    from lightning_emig.migration.state import ShardingSpec
+
+    split = StageSplit(block_costs=(64,) * 4, first_extra=0, last_extra=0)
+    return {f"model/layers.{i}.w": ShardingSpec((8, 8), torch.float32, ("dp_shard",), (Shard(0),),
+                                                StageOwner.of(f"layers.{i}.w", split)) for i in range(4)}
+
+
+def test_a_drain_lays_the_survivors_buffers_out_in_the_order_that_keeps_them() -> None:
+    """pp 2 x dp_shard 4 on two nodes of four; the second node leaves; the survivors (one node) take pp 2 x dp_shard
+    2. In the default order new ranks 0, 1 hold stage 0 and process 1 keeps nothing of its quarter; numbered
+    dp_shard first, stage 0 sits on 0 and 2 and every survivor keeps its quarter. Were the survivors on two nodes,
+    that order would put the FSDP groups across them: the default stays."""
+    from lightning_emig.migration.change import in_place_order
+    from lightning_emig.migration.engine import tensor_migrations
+    from lightning_emig.migration.planner import IdentityMap, ProcessInfo
+    from lightning_emig.migration.rank_order import bytes_in_place, choose_rank_order
+
+    specs = _fsdp_specs()
+    old, new = HybridLayout(pp=2, dp_shard=4).resolve(8), HybridLayout(pp=2, dp_shard=2).resolve(4)
+
+    def identity(nodes: list[str]) -> IdentityMap:
+        return IdentityMap(tuple(ProcessInfo(r, nodes[r], r, r if r < 4 else None) for r in range(8)), 8, 4)
+
+    one_node = identity(["a"] * 4 + ["b"] * 4)
+    chosen = in_place_order(specs, old, new, one_node)
+    assert chosen.degrees == new and chosen.rank_order is not None
+    assert chosen.rank_order.index("dp_shard") < chosen.rank_order.index("pp")
+    kept = bytes_in_place(tensor_migrations(specs, specs, old, chosen), one_node)
+    # the survivors held stage 0 (blocks 0, 1): its two new holders keep a quarter of each block (16 floats) each
+    assert kept == 2 * 2 * 16 * 4 > bytes_in_place(tensor_migrations(specs, specs, old, new), one_node)
+    two_nodes = identity(["a", "a", "b", "b", "c", "c", "c", "c"])
+    assert in_place_order(specs, old, new, two_nodes) == new
+    assert choose_rank_order(old, new, lambda a, b: tensor_migrations(specs, specs, a, b), one_node).layout == chosen
+
+
+def test_the_next_fit_keeps_the_order_its_state_was_handed_over_in() -> None:
+    """After a drain or a rebuild the next fit chooses its layout by the usual rule (default order); where that has
+    the handed state's degrees on the same world it takes the handed order, so the state does not move again. A
+    join (another world) keeps the fit's own."""
+    from types import SimpleNamespace
+
+    from lightning_emig.data.batching import BatchPlan
+    from lightning_emig.membership.settings import LayoutChoice
+    from lightning_emig.strategy.elastic import ElasticMigrationStrategy
+
+    ordered = HybridLayout(pp=2, dp_shard=2, rank_order="dp_replicate>dp_shard>pp>tp").resolve(4)
+    choice = LayoutChoice(ordered.degrees, BatchPlan(global_batch_size=8, micro_batch_size=1, dp_degree=2))
+
+    def kept(world: int, handed: HybridLayout | None) -> HybridLayout:
+        strategy = SimpleNamespace(world_size=world, _incoming_handoff=None if handed is None else SimpleNamespace(
+            old_layout=handed, old_world=handed.world_size))
+        return ElasticMigrationStrategy._keeping_handed_order(strategy, choice).layout  # type: ignore[arg-type]
+
+    assert kept(4, ordered) == ordered
+    assert kept(4, None) == ordered.degrees
+    assert kept(4, HybridLayout(dp_shard=4).resolve(4)) == ordered.degrees
+    assert kept(4, HybridLayout(pp=2, dp_shard=1, rank_order="dp_replicate>dp_shard>pp>tp").resolve(2)) == \
+        ordered.degrees

@@ -256,19 +256,29 @@ def test_state_moves_between_stage_layouts_bit_exact(name: str) -> None:
         assert mismatches == [None] * changes, f"process {rank}: {mismatches}"
 
 
-def _rebuild_worker(rank: int, processes: int) -> list[str]:
-    """``pp2 x dp_replicate2`` on 4 processes; process 3 dies; the three survivors lay the state out as FSDP over 3
-    from what they hold (stage 1's from its replica, process 2), as a failure's rebuild does: the whole state's specs
-    are the union of the survivors' (no survivor holds both stages), the new shards plain buffers."""
+#: (old layout, survivors, new layout) of a failure's rebuild on 4 processes (2 per node)
+REBUILDS = {
+    # pp2 x dp_replicate2 in the default order; process 3 dies: stage 1 comes from its replica, process 2
+    "a process": (HybridLayout(pp=2, dp_replicate=2).resolve(4), [0, 1, 2], HybridLayout(dp_shard=3).resolve(3)),
+    # replicas numbered slowest: node 0 (processes 0, 1) holds replica 0 of both stages, so the second node may die
+    # (in the default order it held both replicas of stage 1: lost)
+    "a node": (HybridLayout(pp=2, dp_replicate=2, rank_order="dp_replicate>pp>dp_shard>tp").resolve(4), [0, 1],
+               HybridLayout(pp=2).resolve(2)),
+}
+
+
+def _rebuild_worker(rank: int, processes: int, case: str) -> list[str]:
+    """Some processes die; the survivors lay the state out for the new layout from what they hold, as a failure's
+    rebuild does: the whole state's specs are the union of the survivors' (no survivor holds both stages), the new
+    shards plain buffers."""
     _, full, full_optimizer = _trained_whole_model()
     expected = full_training_state(full, full_optimizer)
-    old, new = HybridLayout(pp=2, dp_replicate=2).resolve(4), HybridLayout(dp_shard=3).resolve(3)
-    survivors = [0, 1, 2]
+    old, survivors, new = REBUILDS[case]
     group = dist.new_group(survivors)  # the survivors' world (every process calls it)
     if rank not in survivors:
         return []
     model, optimizer = copy.deepcopy((full, full_optimizer))
-    keep_stage(model, old.pp, rank_to_coordinate(rank, old.mesh_shape)[0])
+    keep_stage(model, old.pp, rank_to_coordinate(rank, old.mesh_shape, old.rank_axes)[0])
     old_state = training_state(model, optimizer)
     specs = whole_state_specs({k: t.spec for k, t in old_state.items()}, old, new, group=group)
     new_rank = survivors.index(rank)
@@ -288,6 +298,16 @@ def _rebuild_worker(rank: int, processes: int) -> list[str]:
 
 
 @pytest.mark.timeout(180)
-def test_a_dead_process_stage_comes_back_from_its_replica() -> None:
-    results = run_distributed(_rebuild_worker, 4, timeout_s=150)
+@pytest.mark.parametrize("case", sorted(REBUILDS))
+def test_a_dead_stage_comes_back_from_its_replica(case: str) -> None:
+    results = run_distributed(_rebuild_worker, 4, case, timeout_s=150)
     assert results == [[], [], [], []]
+
+
+def test_in_the_default_order_a_node_holds_both_replicas_of_a_stage() -> None:
+    """Why the "a node" rebuild numbers replicas slowest: in the default order (pp slowest) processes 2 and 3, one
+    node, hold stage 1 twice over, and its loss leaves that stage nowhere."""
+    old, survivors, new = REBUILDS["a node"]
+    default = old.degrees
+    assert {rank_to_coordinate(r, default.mesh_shape)[0] for r in survivors} == {0}
+    assert {rank_to_coordinate(r, old.mesh_shape, old.rank_axes)[0] for r in survivors} == {0, 1}

@@ -60,7 +60,13 @@ from lightning_emig.launcher.generation import (
 from lightning_emig.launcher.heartbeat import HeartbeatWatch
 from lightning_emig.membership.group import enter_generation
 from lightning_emig.membership.handoff import LiveHandoff
-from lightning_emig.migration.change import allocate_shards, device_of, execute_change, whole_state_specs
+from lightning_emig.migration.change import (
+    allocate_shards,
+    device_of,
+    execute_change,
+    in_place_order,
+    whole_state_specs,
+)
 from lightning_emig.migration.engine import MigrationFailedError
 from lightning_emig.migration.planner import IdentityMap, ProcessInfo, StateLostError
 from lightning_emig.migration.state import release_storage
@@ -381,11 +387,13 @@ def _rebuild_from_replicas(
     assert stash.state is not None
     new_rank = survivors.index(rank)
     specs = whole_state_specs({k: t.spec for k, t in stash.state.items()}, old_layout, new_layout)
-    new_state = allocate_shards(specs, new_layout, new_rank, device_of(stash.state))
     identity = IdentityMap(
-        tuple(ProcessInfo(pid=new, node=None, old_rank=old, new_rank=new) for new, old in enumerate(survivors)),
+        tuple(ProcessInfo(pid=new, node=holders[new][0], old_rank=old, new_rank=new)
+              for new, old in enumerate(survivors)),
         old_world, len(survivors),
     )
+    new_layout = in_place_order(specs, old_layout, new_layout, identity)  # the next fit keeps it (setup_environment)
+    new_state = allocate_shards(specs, new_layout, new_rank, device_of(stash.state))
     allocate = time.perf_counter() - started
     record = execute_change(
         kind="failure", step=int(stash.metadata["global_step"]), old_state=stash.state, new_state=new_state,

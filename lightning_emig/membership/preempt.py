@@ -39,7 +39,13 @@ from lightning_emig.launcher.generation import (
 )
 from lightning_emig.membership.admission import commit_generation, joiners_ready, publish_holders_generation
 from lightning_emig.membership.handoff import LiveHandoff
-from lightning_emig.migration.change import allocate_shards, device_of, execute_change, whole_state_specs
+from lightning_emig.migration.change import (
+    allocate_shards,
+    device_of,
+    execute_change,
+    in_place_order,
+    whole_state_specs,
+)
 from lightning_emig.migration.planner import IdentityMap, ProcessInfo
 from lightning_emig.migration.state import release_storage
 
@@ -158,12 +164,13 @@ def drain_leavers(trainer: pl.Trainer, client: Any, handoff: LiveHandoff) -> Liv
     old_state = handoff.state
     assert old_state is not None
     specs = whole_state_specs({k: t.spec for k, t in old_state.items()}, old_layout, new_layout)
-    new_state = (allocate_shards(specs, new_layout, my_new_rank, device_of(old_state))
-                 if my_new_rank is not None else None)
     identity = IdentityMap(
         tuple(ProcessInfo(pid=r, node=node_of[r], old_rank=r, new_rank=new_rank_of.get(r)) for r in range(old_world)),
         old_world, new_world,
     )
+    new_layout = in_place_order(specs, old_layout, new_layout, identity)  # the next fit keeps it (setup_environment)
+    new_state = (allocate_shards(specs, new_layout, my_new_rank, device_of(old_state))
+                 if my_new_rank is not None else None)
     allocate = time.perf_counter() - started
     record = execute_change(
         kind="preempt", step=trainer.global_step, old_state=old_state, new_state=new_state, old_layout=old_layout,

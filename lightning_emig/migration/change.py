@@ -12,7 +12,9 @@ them calls :func:`execute_change` with those, on every process of the group that
    rolled back, the nodes that left or died. It is what the event reports and what a handoff carries into the next
    fit when the state moved before it (no dict between modules).
 
-:func:`allocate_shards` gives the plain buffers for a rank's new shards from the geometry alone (no mesh, no model);
+:func:`allocate_shards` gives the plain buffers for a rank's new shards from the geometry alone (no mesh, no model),
+:func:`in_place_order` the rank order for them that keeps the most state where it is (free to choose there: no model
+is built for it);
 :func:`whole_state_specs` says what the whole state is where each process holds only its pipeline stage's.
 """
 
@@ -27,8 +29,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_emig.layout import HybridLayout
-from lightning_emig.migration.engine import migrate, union_specs
+from lightning_emig.migration.engine import migrate, tensor_migrations, union_specs
 from lightning_emig.migration.planner import IdentityMap
+from lightning_emig.migration.rank_order import choose_rank_order
 from lightning_emig.migration.state import ShardingSpec, StateTensor
 from lightning_emig.migration.transfer import TransferOptions
 
@@ -112,6 +115,17 @@ def allocate_shards(specs: Mapping[str, ShardingSpec], layout: HybridLayout, ran
         shape = holding.local_shape if holding is not None else (0,)
         out[key] = StateTensor(key, spec, torch.empty(shape, dtype=spec.dtype, device=device))
     return out
+
+
+def in_place_order(specs: Mapping[str, ShardingSpec], old_layout: HybridLayout, new_layout: HybridLayout,
+                   identity: IdentityMap) -> HybridLayout:
+    """``new_layout`` numbered in the rank order that keeps the most of the state ``specs`` names in place under
+    ``identity`` (its processes' nodes keep TP and FSDP groups node-local), for buffers laid out with the same
+    placements (a drain, a rebuild); the same answer on every process."""
+    def tensors_for(old: HybridLayout, new: HybridLayout) -> list:
+        return tensor_migrations(dict(specs), dict(specs), old, new)
+
+    return choose_rank_order(old_layout, new_layout.degrees, tensors_for, identity).layout
 
 
 def whole_state_specs(own: Mapping[str, ShardingSpec] | None, old_layout: HybridLayout,

@@ -8,7 +8,7 @@ Invariants:
 * the result is the bytes every process must receive that it does not already hold, summed over processes, under
   the rank order a live change uses: on the same processes the one
   :func:`~lightning_emig.migration.rank_order.choose_rank_order` picks (most bytes kept in place, TP and FSDP groups
-  no less node-local), across a change of world the default one;
+  no less node-local), across a change of world the default one (what a join does; a drain may keep more);
 * every old rank is assumed alive to send (a change with notice) and keeps its rank; processes beyond the old world
   are joiners; ranks fill nodes of ``devices_per_node`` in order;
 * the migrated state is what training migrates: the fp32 parameter and AdamW's two fp32 moments (12 bytes an

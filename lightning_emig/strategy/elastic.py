@@ -338,6 +338,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             layout = self._requested_layout.resolve(self.world_size)
             settings.validate_layout(layout)
             self.layout_choice = LayoutChoice(layout, settings.plan_for(layout))
+        self.layout_choice = self._keeping_handed_order(self.layout_choice)
         layout, plan = self.layout_choice.layout, self.layout_choice.plan
         self.migrating = self.live_join  # configure_model must not initialise: the join overwrites every tensor
         self.install_mesh(build_mesh(layout, self.root_device.type, timeout=self.timeout), plan)
@@ -345,6 +346,14 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             self._checkpoint_writer.open()
         if self._rollback is not None and self._rollback.checkpoint is None:
             self._note_rollback(step=0, load_seconds=0.0)  # no checkpoint: the fit starts over from step 0
+
+    def _keeping_handed_order(self, choice: LayoutChoice) -> LayoutChoice:
+        """State handed over in this layout's degrees on this world (a drain or a rebuild laid it out for them) comes
+        in the rank order chosen to keep it in place: the fit keeps that order, so the state need not move again."""
+        handed = self._incoming_handoff
+        if handed is None or handed.old_world != self.world_size or handed.old_layout.degrees != choice.layout.degrees:
+            return choice
+        return dataclasses.replace(choice, layout=handed.old_layout)
 
     def _agreed_choice(self, settings: ElasticSettings) -> LayoutChoice:
         """The picker's layout for this world, decided by rank 0 and sent to every rank: rank 0 of a new generation
