@@ -25,7 +25,9 @@ runs, the median reported (``samples`` lists them).
 
 Transitions are written ``OLD:NEW`` with ``r`` dp_replicate, ``s`` dp_shard, ``t`` tp, ``p`` pp and a degree each
 (``p2s2:s4``: two stages of FSDP2 over two processes each, to FSDP2 over four; a stage is built by
-``parallelize_model``, and the state's specs say which stage holds each tensor).
+``parallelize_model``, and the state's specs say which stage holds each tensor). A side may end in ``@`` and the four
+letters in rank order, slowest first (``s4:p2s2@rspt``: dp_shard numbered before pp, the order a live change on one
+node chooses for it; see ``lightning_emig.migration.rank_order``).
 
 Source state: a full initialization generates every full parameter on every rank, so instead every local shard is
 filled with an exact function of (state key, global element index) over the box the geometry says it holds
@@ -119,22 +121,27 @@ class Transition:
 
     @property
     def old_world(self) -> int:
-        return math.prod(self.old.values())
+        return HybridLayout(**self.old).world_size
 
     @property
     def new_world(self) -> int:
-        return math.prod(self.new.values())
+        return HybridLayout(**self.new).world_size
 
 
-def _parse_side(text: str) -> dict[str, int]:
+def _parse_side(text: str) -> dict[str, Any]:
+    text, _, order = text.partition("@")
     parts = re.findall(r"([rstp])(\d+)", text)
     if not parts or "".join(a + n for a, n in parts) != text:
         raise ValueError(
             f"bad layout {text!r}: use letters r/s/t/p with degrees, e.g. t2s2 (tp=2, dp_shard=2)"
         )
-    degrees = {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1}
+    degrees: dict[str, Any] = {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1}
     for axis, n in parts:
         degrees[_AXES[axis]] = int(n)
+    if order:
+        if sorted(order) != sorted(_AXES):
+            raise ValueError(f"bad rank order {order!r}: the four letters r/s/t/p, slowest first, e.g. rspt")
+        degrees["rank_order"] = tuple(_AXES[a] for a in order)
     return degrees
 
 
