@@ -279,11 +279,15 @@ class TensorSharding:
         base = list(coord)
         if self.stage is not None:
             base[self.stage_axis] = self.stage
-        ranks = []
-        for values in itertools.product(*(range(self.mesh_shape[a]) for a in self._replica_axes)):
-            for a, v in zip(self._replica_axes, values, strict=True):
-                base[a] = v
-            ranks.append(coordinate_to_rank(base, self.mesh_shape, self.rank_axes))
+        for a in self._replica_axes:
+            base[a] = 0
+        # A rank is linear in the coordinate, so the replicas are the base rank plus every sum of replica-axis
+        # strides: additions only, as a source of HSDP state has a replica per dp_replicate coordinate.
+        ranks = [coordinate_to_rank(base, self.mesh_shape, self.rank_axes)]
+        strides = _rank_strides(self.mesh_shape, self.rank_axes)
+        for a in self._replica_axes:
+            step = strides[a]
+            ranks = list(itertools.chain.from_iterable(range(r, r + self.mesh_shape[a] * step, step) for r in ranks))
         return tuple(sorted(ranks))
 
 
@@ -478,6 +482,17 @@ def rank_to_coordinate(rank: int, mesh_shape: Sequence[int], rank_axes: Sequence
     for a, v in zip(rank_axes, values, strict=True):
         coord[a] = v
     return tuple(coord)
+
+
+def _rank_strides(mesh_shape: Sequence[int], rank_axes: Sequence[int] | None) -> list[int]:
+    """How far the rank moves per step of each axis's coordinate."""
+    order = range(len(mesh_shape)) if rank_axes is None else rank_axes
+    strides = [0] * len(mesh_shape)
+    step = 1
+    for a in reversed(order):
+        strides[a] = step
+        step *= mesh_shape[a]
+    return strides
 
 
 def coordinate_to_rank(coordinate: Sequence[int], mesh_shape: Sequence[int],

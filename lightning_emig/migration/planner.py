@@ -26,6 +26,8 @@ by rotating on ``new_rank + tensor index``, so receivers of the same shard sprea
 
 from __future__ import annotations
 
+import bisect
+import functools
 import itertools
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -86,6 +88,7 @@ class IdentityMap:
     _by_pid: dict[int, ProcessInfo] = field(init=False, repr=False, compare=False)
     _by_old: dict[int, ProcessInfo] = field(init=False, repr=False, compare=False)
     _by_new: dict[int, ProcessInfo] = field(init=False, repr=False, compare=False)
+    _new_of_old: tuple[int | None, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         procs = tuple(sorted(self.processes, key=lambda p: p.pid))
@@ -101,6 +104,8 @@ class IdentityMap:
         object.__setattr__(self, "_by_pid", by_pid)
         object.__setattr__(self, "_by_old", by_old)
         object.__setattr__(self, "_by_new", by_new)
+        new_of_old = tuple(by_old[r].new_rank if r in by_old else None for r in range(self.old_world))
+        object.__setattr__(self, "_new_of_old", new_of_old)
 
     @classmethod
     def same_processes(cls, world: int, nodes: Sequence[Hashable] | None = None) -> IdentityMap:
@@ -127,6 +132,10 @@ class IdentityMap:
 
     def by_new_rank(self, rank: int) -> ProcessInfo:
         return self._by_new[rank]
+
+    def new_rank_of_old(self, rank: int) -> int | None:
+        """The new rank of the live process that held old ``rank`` (``None``: dead, or it leaves)."""
+        return self._new_of_old[rank]
 
     @property
     def pids(self) -> tuple[int, ...]:
@@ -347,7 +356,7 @@ def _receiver_fragments(
         return
     for new_piece in holding.pieces:
         for source in tensor.old.sources(new_piece.global_box):
-            holders = _Holders.of(source, identity)
+            holders = _Holders(source, identity)
             yield from _fragment_transfers(tensor, index, holders, new_piece, me, options)
 
 
@@ -361,34 +370,57 @@ def _sender_fragments(
         return
     replicas = tensor.old.replica_ranks(me.old_rank)
     for old_piece in holding.pieces:
-        holders = _Holders.of(Source(old_piece, replicas), identity)
+        holders = _Holders(Source(old_piece, replicas), identity)
         for target in tensor.new.sources(old_piece.global_box):
-            for new_rank in target.ranks:
+            for new_rank in _receivers_lacking(target, holders, identity):
                 receiver = identity.by_new_rank(new_rank)
-                if receiver.pid == me.pid:
-                    continue
-                for item in _fragment_transfers(tensor, index, holders, target.piece, receiver, options):
-                    if isinstance(item, Transfer) and item.src == me.pid:
-                        yield item
+                part = _share_of(me, tensor, index, holders, target.piece, receiver, options)
+                if part is not None:
+                    yield _transfer(tensor, part, me, receiver, holders.piece, target.piece)
 
 
-@dataclass(frozen=True, slots=True)
+def _receivers_lacking(target: Source, holders: _Holders, identity: IdentityMap) -> list[int]:
+    """New ranks of ``target`` whose process does not hold ``holders.piece`` (those copy it locally, ``me`` among
+    them), ascending. Set operations: with HSDP both lists are as long as the world is wide."""
+    holding = map(identity.new_rank_of_old, holders.ranks)
+    return sorted(set(target.ranks).difference(holding))
+
+
 class _Holders:
-    """A distinct old piece with its holders: their old ranks, and the live processes among them (all, by node)."""
+    """A distinct old piece with its holders: their old ranks (ascending), and the live processes among them (all,
+    by node), worked out on first use: a receiver holding the piece copies it and needs no list of the others, which
+    with HSDP replicas is as long as the world is wide."""
 
-    piece: LocalPiece
-    ranks: frozenset[int]
-    live: tuple[ProcessInfo, ...]
-    by_node: dict[Hashable, tuple[ProcessInfo, ...]]
+    __slots__ = ("_by_node", "_identity", "_live", "piece", "ranks")
 
-    @classmethod
-    def of(cls, source: Source, identity: IdentityMap) -> _Holders:
-        # ordered by old rank (source.ranks is sorted): the same list on every process
-        live = tuple(p for p in (identity.by_old_rank(r) for r in source.ranks) if p is not None)
-        by_node: dict[Hashable, list[ProcessInfo]] = {}
-        for p in live:
-            by_node.setdefault(p.node, []).append(p)
-        return cls(source.piece, frozenset(source.ranks), live, {n: tuple(ps) for n, ps in by_node.items()})
+    def __init__(self, source: Source, identity: IdentityMap) -> None:
+        self.piece: LocalPiece = source.piece
+        self.ranks: tuple[int, ...] = source.ranks
+        self._identity = identity
+        self._live: tuple[ProcessInfo, ...] | None = None
+        self._by_node: dict[Hashable, tuple[ProcessInfo, ...]] = {}
+
+    def holds(self, old_rank: int | None) -> bool:
+        if old_rank is None:
+            return False
+        at = bisect.bisect_left(self.ranks, old_rank)
+        return at < len(self.ranks) and self.ranks[at] == old_rank
+
+    @property
+    def live(self) -> tuple[ProcessInfo, ...]:
+        if self._live is None:
+            # ordered by old rank (source.ranks is sorted): the same list on every process
+            self._live = tuple(p for p in (self._identity.by_old_rank(r) for r in self.ranks) if p is not None)
+            by_node: dict[Hashable, list[ProcessInfo]] = {}
+            for p in self._live:
+                by_node.setdefault(p.node, []).append(p)
+            self._by_node = {n: tuple(ps) for n, ps in by_node.items()}
+        return self._live
+
+    @property
+    def by_node(self) -> dict[Hashable, tuple[ProcessInfo, ...]]:
+        self.live  # noqa: B018 - fills the index
+        return self._by_node
 
 
 def _fragment_transfers(
@@ -403,15 +435,20 @@ def _fragment_transfers(
     fragment = holders.piece.global_box.intersect(new_piece.global_box)
     if fragment is None:
         return
-    if receiver.old_rank is not None and receiver.old_rank in holders.ranks:
+    if holders.holds(receiver.old_rank):
         yield _transfer(tensor, fragment, receiver, receiver, holders.piece, new_piece)
         return
     if not holders.live:
         yield LostFragment(tensor.name, fragment, fragment.numel * tensor.itemsize)
         return
-    candidates = (holders.by_node.get(receiver.node) if options.prefer_same_node else None) or holders.live
+    candidates = _candidates(holders, receiver, options)
     for part, sender in _choose_senders(fragment, tensor.itemsize, candidates, receiver, index, options):
         yield _transfer(tensor, part, sender, receiver, holders.piece, new_piece)
+
+
+def _candidates(holders: _Holders, receiver: ProcessInfo, options: PlanOptions) -> tuple[ProcessInfo, ...]:
+    """The live holders ``receiver`` may take a fragment from, ascending by old rank."""
+    return (holders.by_node.get(receiver.node) if options.prefer_same_node else None) or holders.live
 
 
 def _choose_senders(
@@ -430,8 +467,42 @@ def _choose_senders(
     rotation = (receiver.new_rank or 0) + index
     n = len(candidates)
     if n > 1 and fragment.numel * itemsize >= options.split_min_bytes:
-        return [(part, candidates[(k + rotation) % n]) for k, part in enumerate(fragment.split(n))]
+        return [(part, candidates[(k + rotation) % n]) for k, part in enumerate(_split(fragment, n))]
     return [(fragment, candidates[rotation % n])]
+
+
+def _share_of(
+    sender: ProcessInfo,
+    tensor: TensorMigration,
+    index: int,
+    holders: _Holders,
+    new_piece: LocalPiece,
+    receiver: ProcessInfo,
+    options: PlanOptions,
+) -> ShardBox | None:
+    """The part of ``receiver``'s fragment that :func:`_choose_senders` gives ``sender`` (``None``: nothing), found
+    from the sender's position among the candidates: with HSDP a fragment is split over as many replicas as the
+    world is wide, and a sender replays the choice of every receiver it may serve."""
+    fragment = holders.piece.global_box.intersect(new_piece.global_box)
+    if fragment is None or not holders.live:
+        return None
+    candidates = _candidates(holders, receiver, options)
+    position = bisect.bisect_left(candidates, sender.old_rank, key=lambda p: p.old_rank)
+    if position == len(candidates) or candidates[position].pid != sender.pid:
+        return None
+    rotation = (receiver.new_rank or 0) + index
+    n = len(candidates)
+    if n > 1 and fragment.numel * tensor.itemsize >= options.split_min_bytes:
+        parts = _split(fragment, n)
+        k = (position - rotation) % n  # part k goes to candidate (k + rotation) % n
+        return parts[k] if k < len(parts) else None
+    return fragment if rotation % n == position else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _split(fragment: ShardBox, parts: int) -> tuple[ShardBox, ...]:
+    # the receivers of one replicated shard (and their senders' replays) split the same fragment
+    return fragment.split(parts)
 
 
 def _transfer(
