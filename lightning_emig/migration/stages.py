@@ -31,6 +31,12 @@ def split_stages(block_costs: Sequence[int], pp: int, *, first_extra: int = 0,
     """``pp`` contiguous, non-empty runs of block indices covering every block, minimizing the largest stage's cost
     (its blocks' costs, plus ``first_extra`` on the first stage and ``last_extra`` on the last); ties: the earlier
     stages take fewer blocks."""
+    return _split_stages(tuple(int(c) for c in block_costs), pp, int(first_extra), int(last_extra))
+
+
+@functools.lru_cache(maxsize=1024)
+def _split_stages(block_costs: tuple[int, ...], pp: int, first_extra: int, last_extra: int) -> tuple[range, ...]:
+    # Cached: the picker asks for the same model's split once per candidate layout (O(pp x blocks^2) each).
     n = len(block_costs)
     if not 1 <= pp <= n:
         raise GeometryError(f"cannot split {n} layers into {pp} pipeline stages (each stage needs at least one)")

@@ -13,7 +13,7 @@ Pure. Invariants:
 
 from __future__ import annotations
 
-import itertools
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -96,11 +96,19 @@ def devices_of(layout: HybridLayout) -> int:
 
 def factorizations(devices: int, pp_values: tuple[int, ...]) -> Iterator[HybridLayout]:
     """Every layout using exactly ``devices`` devices with ``pp`` in ``pp_values``, in a fixed order."""
-    divisors = [d for d in range(1, devices + 1) if devices % d == 0]
-    for pp, tp, replicate in itertools.product(pp_values, divisors, divisors):
-        rest, remainder = divmod(devices, pp * tp * replicate)
-        if pp * tp * replicate <= devices and not remainder:
-            yield HybridLayout(dp_replicate=replicate, dp_shard=rest, tp=tp, pp=pp)
+    # Degrees that divide what the outer ones leave, ascending: the order of (pp, tp, replicate) over all divisors,
+    # without trying the products that cannot divide (pp_values may list every pp up to the world).
+    for pp in pp_values:
+        if devices % pp:
+            continue
+        for tp in _divisors(devices // pp):
+            for replicate in _divisors(devices // (pp * tp)):
+                yield HybridLayout(dp_replicate=replicate, dp_shard=devices // (pp * tp * replicate), tp=tp, pp=pp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
 def structural_reason(problem: Problem, layout: HybridLayout) -> str | None:

@@ -66,7 +66,7 @@ def estimate_migration_bytes(model: LlamaConfig, old: HybridLayout, new: HybridL
         return 0
 
     def tensors_for(a: HybridLayout, b: HybridLayout) -> list[TensorMigration]:
-        return _grouped_migrations(model, a, b, bytes_per_element)
+        return grouped_migrations(model, a, b, bytes_per_element)
 
     identity = IdentityMap(tuple(
         ProcessInfo(p, p // devices_per_node, p if p < old.world_size else None, p if p < new.world_size else None)
@@ -78,8 +78,10 @@ def estimate_migration_bytes(model: LlamaConfig, old: HybridLayout, new: HybridL
     return needed - bytes_in_place(tensors, identity)
 
 
-def _grouped_migrations(model: LlamaConfig, old: HybridLayout, new: HybridLayout,
+def grouped_migrations(model: LlamaConfig, old: HybridLayout, new: HybridLayout,
                         bytes_per_element: int) -> list[TensorMigration]:
+    """The migrated state between two layouts as planner input, tensors of equal shape, TP dim and stages once each
+    (``itemsize`` weighted by their count: bytes are linear in it)."""
     old_ranges, new_ranges = stage_ranges(model, old.pp), stage_ranges(model, new.pp)
 
     def key(t: ParamTensor) -> tuple[object, ...]:

@@ -88,11 +88,7 @@ class ParamCounts:
     def stage_local(self, tp: int, pp: int) -> int:
         """Elements one TP rank of the largest pipeline stage holds (the whole model when ``pp == 1``), with the
         stages the project's one split rule makes (the embedding on the first stage, norm and output on the last)."""
-        embedding = -(-self.embedding // tp)
-        rest = self.root_local(tp) - embedding
-        ranges = self.stages(pp)
-        return max(len(blocks) * self.block_local(tp) + (embedding if stage == 0 else 0)
-                   + (rest if stage == pp - 1 else 0) for stage, blocks in enumerate(ranges))
+        return _stage_local(self, tp, pp)
 
     def stage_blocks(self, pp: int) -> int:
         """Blocks on the pipeline stage with the most (the slowest stage: blocks are the FLOPs)."""
@@ -100,9 +96,25 @@ class ParamCounts:
 
     def stages(self, pp: int) -> tuple[range, ...]:
         """The blocks of every stage (:func:`~lightning_emig.migration.stages.split_stages`)."""
-        block = self.block_sharded + self.block_replicated
-        root = self.root_sharded + self.root_replicated
-        return split_stages([block] * self.n_layers, pp, first_extra=self.embedding, last_extra=root - self.embedding)
+        return _stages(self, pp)
+
+
+# Cached: the picker asks for the stages of the same model for every candidate layout (hundreds of thousands of
+# times over a large world's candidates).
+@lru_cache(maxsize=4096)
+def _stages(counts: ParamCounts, pp: int) -> tuple[range, ...]:
+    block = counts.block_sharded + counts.block_replicated
+    root = counts.root_sharded + counts.root_replicated
+    return split_stages([block] * counts.n_layers, pp, first_extra=counts.embedding, last_extra=root - counts.embedding)
+
+
+@lru_cache(maxsize=4096)
+def _stage_local(counts: ParamCounts, tp: int, pp: int) -> int:
+    embedding = -(-counts.embedding // tp)
+    rest = counts.root_local(tp) - embedding
+    ranges = counts.stages(pp)
+    return max(len(blocks) * counts.block_local(tp) + (embedding if stage == 0 else 0)
+               + (rest if stage == pp - 1 else 0) for stage, blocks in enumerate(ranges))
 
 
 @lru_cache(maxsize=64)
