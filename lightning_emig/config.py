@@ -40,6 +40,8 @@ class LayoutSection:
     dp_shard: int = -1
     tp: int = 1
     pp: int = 1
+    pp_virtual: int = 1
+    """Pipeline stages on each ``pp`` process (needs ``trainer.pipeline_schedule=interleaved_1f1b`` when > 1)."""
     rank_order: Optional[str] = None  # noqa: UP045
     """Rank numbering, slowest mesh axis first, e.g. ``"dp_replicate>pp>dp_shard>tp"``; None: the default
     (``pp>dp_replicate>dp_shard>tp``), and a live change's choice (see ``lightning_emig.migration.rank_order``)."""
@@ -140,9 +142,10 @@ class TrainerSection:
     """Timeout of every collective; gloo cannot abort, so a dead peer must surface as a timeout."""
     progress_bar: bool = True
     pipeline_schedule: str = "gpipe"
+    """Under ``layout.pp > 1``: ``gpipe``, ``1f1b`` (needs at least ``pp`` micro-batches per step) or
+    ``interleaved_1f1b`` (for ``layout.pp_virtual > 1``; micro-batches per step fewer than ``pp`` or a multiple)."""
     gradient_clip_val: Optional[float] = None  # noqa: UP045
     """Clip gradients to this global L2 norm (over every stage under pp); None: no clipping."""
-    """Under ``layout.pp > 1``: ``gpipe`` or ``1f1b`` (needs at least ``pp`` micro-batches per step)."""
 
 
 @dataclass(kw_only=True)

@@ -1,7 +1,9 @@
 """Hybrid-parallel layouts and the DeviceMesh built from them.
 
 A :class:`HybridLayout` names four degrees: ``dp_replicate`` (HSDP replicas), ``dp_shard`` (FSDP2 sharding),
-``tp`` (tensor parallel) and ``pp`` (pipeline stages). Invariants:
+``tp`` (tensor parallel) and ``pp`` (pipeline stages), and ``pp_virtual``, the pipeline stages each process of the
+``pp`` axis holds (the model is cut into ``pp x pp_virtual`` stages, stage ``s`` on the process whose ``pp``
+coordinate is ``s % pp``: the interleaved schedule's layout). Invariants:
 
 * a *resolved* layout has every degree >= 1 and their product equals the world size;
 * at most one degree is ``-1`` before resolution, meaning "whatever is left of the world";
@@ -55,19 +57,53 @@ DEGREES: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp", "pp")
 DEFAULT_RANK_ORDER: tuple[str, ...] = tuple(axis.value for axis in MESH_AXIS_ORDER)
 
 
-PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
-"""The schedules stages train with (the strategy's ``pipeline_schedule``, the picker's cost model). Interleaved
-schedules (several virtual stages per process) are not offered: the stage split and the migration geometry hold
-one contiguous stage per process."""
+PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
+"""The schedules stages train with (the strategy's ``pipeline_schedule``, the picker's cost model): torch's
+``ScheduleGPipe`` and ``Schedule1F1B`` run one stage per process, ``ScheduleInterleaved1F1B`` the ``pp_virtual``
+stages of each process (also one)."""
+
+#: The schedules that run several stages per process (``pp_virtual > 1``).
+MULTI_STAGE_SCHEDULES: tuple[str, ...] = ("interleaved_1f1b",)
 
 
 def least_micro_batches(schedule: str, pp: int) -> int:
-    """Micro-batches per step ``schedule`` needs over ``pp`` stages: 1F1B one per stage, GPipe any number."""
+    """Micro-batches per step ``schedule`` needs over ``pp`` stages: 1F1B one per stage, GPipe and the interleaved
+    schedule any number (the interleaved one also needs :func:`micro_batches_problem`'s divisibility)."""
     return pp if schedule == "1f1b" else 1
+
+
+def micro_batches_problem(schedule: str, pp: int, micro_batches: int) -> str | None:
+    """Why ``schedule`` cannot run ``micro_batches`` per step over ``pp`` processes, or None.
+
+    torch's interleaved 1F1B runs the micro-batches in rounds of ``pp`` (``max(1, micro_batches // pp)`` rounds),
+    and the rounds must be equal."""
+    least = least_micro_batches(schedule, pp)
+    if micro_batches < least:
+        return f"the {schedule} schedule needs at least {least} micro-batches per step (one per stage), got {micro_batches}"
+    rounds = max(1, micro_batches // pp)
+    if schedule == "interleaved_1f1b" and micro_batches % rounds:
+        return (f"the interleaved_1f1b schedule runs micro-batches in {rounds} equal rounds over pp={pp}: "
+                f"{micro_batches} micro-batches per step do not divide into them (use a multiple of pp, or fewer than pp)")
+    return None
 
 
 class LayoutError(ValueError):
     """A layout that cannot be used for the given world or model."""
+
+
+#: The short form's letters (the benchmarks' notation: ``p2v2s2`` is pp=2, pp_virtual=2, dp_shard=2).
+SHORT_LETTERS: dict[str, str] = {"r": "dp_replicate", "s": "dp_shard", "t": "tp", "p": "pp", "v": "pp_virtual"}
+
+
+def degrees_from_short(text: str) -> dict[str, int]:
+    """The degrees a short form names (letters of :data:`SHORT_LETTERS`, each followed by its degree)."""
+    import re
+
+    parts = re.findall(r"([a-z])(\d+)", text)
+    if not parts or "".join(a + n for a, n in parts) != text or any(a not in SHORT_LETTERS for a, _ in parts):
+        raise LayoutError(f"bad layout {text!r}: use letters {'/'.join(SHORT_LETTERS)} each with a degree, e.g. "
+                          "t2s2 (tp=2, dp_shard=2) or p2v2 (pp=2, two stages a process)")
+    return {SHORT_LETTERS[a]: int(n) for a, n in parts}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -84,7 +120,10 @@ class HybridLayout:
     tp: int = 1
     """Tensor-parallel degree; must divide attention heads, kv heads and the FFN width."""
     pp: int = 1
-    """Pipeline-parallel stages; must not exceed the number of blocks."""
+    """Pipeline-parallel processes (the ``pp`` mesh axis); ``pp x pp_virtual`` must not exceed the number of blocks."""
+    pp_virtual: int = 1
+    """Pipeline stages on each ``pp`` process (virtual stages, for the interleaved schedule); > 1 needs ``pp > 1``.
+    Not a mesh axis: it changes which blocks a process holds, not which processes there are."""
     rank_order: tuple[str, ...] | None = None
     """Mesh axes from the one whose coordinate changes slowest along the global ranks to the fastest; ``None``:
     :data:`DEFAULT_RANK_ORDER`. Migration chooses it (it changes which process holds what, never what is held)."""
@@ -99,6 +138,10 @@ class HybridLayout:
         free = [name for name in DEGREES if getattr(self, name) == -1]
         if len(free) > 1:
             raise LayoutError(f"at most one layout degree may be -1 (the rest of the world), got {free}")
+        if not isinstance(self.pp_virtual, int) or isinstance(self.pp_virtual, bool) or self.pp_virtual < 1:
+            raise LayoutError(f"pp_virtual must be a positive integer, got {self.pp_virtual!r}")
+        if self.pp_virtual > 1 and self.pp == 1:
+            raise LayoutError(f"pp_virtual={self.pp_virtual} (stages per pipeline process) needs pp > 1")
         object.__setattr__(self, "rank_order", _checked_rank_order(self.rank_order))
 
     # ------------------------------------------------------------------ degrees
@@ -122,6 +165,11 @@ class HybridLayout:
         """Sizes of the mesh axes in :data:`MESH_AXIS_ORDER`."""
         self.require_resolved()
         return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages the model is cut into: ``pp x pp_virtual``."""
+        return self.pp * self.pp_virtual
 
     def degree(self, axis: MeshAxis) -> int:
         if axis is MeshAxis.DP:
@@ -158,16 +206,21 @@ class HybridLayout:
         for name, size in (("attention heads", n_heads), ("kv heads", n_kv_heads), ("FFN width", ffn_hidden)):
             if self.tp > 0 and size % self.tp:
                 raise LayoutError(f"tp={self.tp} does not divide the model's {name} ({size}); pick a tp that does")
-        if self.pp > n_layers:
-            raise LayoutError(f"pp={self.pp} is larger than the number of blocks ({n_layers})")
+        if self.pp * self.pp_virtual > n_layers:
+            raise LayoutError(f"{self.describe_stages()} is more stages than the model's {n_layers} blocks")
+
+    def describe_stages(self) -> str:
+        return f"pp={self.pp}" if self.pp_virtual == 1 else f"pp={self.pp} x pp_virtual={self.pp_virtual}"
 
     def describe(self) -> str:
-        degrees = f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} pp={self.pp}"
+        degrees = f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} {self.describe_stages()}"
         return degrees if self.rank_order is None else f"{degrees} ranks={'>'.join(self.rank_order)}"
 
     def as_dict(self) -> dict[str, Any]:
         """The degrees, and the rank order where it is not the default (JSON-ready; ``HybridLayout(**d)`` reads it)."""
         out: dict[str, Any] = {name: getattr(self, name) for name in DEGREES}
+        if self.pp_virtual != 1:
+            out["pp_virtual"] = self.pp_virtual
         if self.rank_order is not None:
             out["rank_order"] = list(self.rank_order)
         return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_emig.layout import MESH_AXIS_ORDER, HybridLayout, LayoutError, MeshAxis
+from lightning_emig.layout import MESH_AXIS_ORDER, HybridLayout, LayoutError, MeshAxis, degrees_from_short
 
 VALID = [
     # (layout kwargs, world size, resolved degrees (dp_replicate, dp_shard, tp, pp))
@@ -33,6 +33,8 @@ INVALID_CONSTRUCTION = [
     ({"dp_shard": -1, "tp": -1}, "at most one layout degree may be -1"),
     ({"tp": 1.5}, "tp must be an int"),
     ({"pp": True}, "pp must be an int"),
+    ({"pp_virtual": 0, "pp": 2}, "pp_virtual must be a positive integer"),
+    ({"pp_virtual": 2}, r"pp_virtual=2 \(stages per pipeline process\) needs pp > 1"),
 ]
 
 
@@ -60,7 +62,8 @@ MODEL = {"n_heads": 8, "n_kv_heads": 2, "ffn_hidden": 96, "n_layers": 4}
 INVALID_FOR_MODEL = [
     ({"tp": 16, "dp_shard": 1}, "does not divide the model's attention heads"),
     ({"tp": 4, "dp_shard": 1}, "does not divide the model's kv heads"),
-    ({"pp": 8, "dp_shard": 1}, "pp=8 is larger than the number of blocks"),
+    ({"pp": 8, "dp_shard": 1}, "pp=8 is more stages than the model's 4 blocks"),
+    ({"pp": 2, "pp_virtual": 3, "dp_shard": 1}, "pp=2 x pp_virtual=3 is more stages than the model's 4 blocks"),
 ]
 
 
@@ -73,6 +76,14 @@ def test_layouts_the_model_cannot_take(kwargs: dict[str, int], message: str) -> 
 def test_ffn_width_must_split_evenly() -> None:
     with pytest.raises(LayoutError, match="FFN width"):
         HybridLayout(tp=2, dp_shard=1).validate_for_model(n_heads=4, n_kv_heads=2, ffn_hidden=97, n_layers=2)
+
+
+def test_the_short_form_names_every_degree() -> None:
+    assert degrees_from_short("p2v2s2") == {"pp": 2, "pp_virtual": 2, "dp_shard": 2}
+    assert degrees_from_short("r2t4") == {"dp_replicate": 2, "tp": 4}
+    for bad in ("", "x2", "p2s", "p2 s2"):
+        with pytest.raises(LayoutError, match="bad layout"):
+            degrees_from_short(bad)
 
 
 def test_unresolved_layout_refuses_derived_sizes() -> None:

@@ -58,6 +58,8 @@ REL_TOL = 1e-4
         (HybridLayout(tp=2), 3, HybridLayout(dp_shard=3)),  # tp does not divide: pure FSDP
         (HybridLayout(dp_replicate=2, dp_shard=2), 6, HybridLayout(dp_replicate=2, dp_shard=3)),
         (HybridLayout(dp_shard=2, tp=2), 8, HybridLayout(dp_shard=4, tp=2)),
+        (HybridLayout(pp=2, pp_virtual=2), 4, HybridLayout(dp_shard=2, pp=2, pp_virtual=2)),
+        (HybridLayout(pp=2, pp_virtual=2), 3, HybridLayout(dp_shard=3)),  # pp does not divide: no stages at all
     ],
 )
 def test_layout_for_a_new_world_keeps_what_divides_it(requested: HybridLayout, world: int,

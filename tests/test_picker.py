@@ -128,10 +128,12 @@ def test_hardware_profile_round_trips_and_rejects_unknown_keys(tmp_path: Any) ->
 def test_migration_estimate_equals_the_planners_plan() -> None:
     """The grouped estimate equals the bytes the planner's full plan receives, tensor by tensor, on the tiny
     model (uneven shards included)."""
-    config = MODEL_SIZES["tiny"]
-    for old, new in [(layout(1, 2, 2), layout(1, 3, 1)), (layout(1, 4, 1), layout(2, 2, 2)), (layout(1, 1, 2),
-                                                                                                 layout(1, 5, 1))]:
-        ranges = {lay: stage_ranges(config, lay.pp) for lay in (old, new)}
+    tiny, deep = MODEL_SIZES["tiny"], MODEL_SIZES["tiny_deep"]
+    staged = HybridLayout(dp_shard=1, pp=2, pp_virtual=2).resolve(2)  # blocks 0, 2 and 1, 3
+    for config, old, new in [(tiny, layout(1, 2, 2), layout(1, 3, 1)), (tiny, layout(1, 4, 1), layout(2, 2, 2)),
+                             (tiny, layout(1, 1, 2), layout(1, 5, 1)), (deep, layout(1, 1, 1, 2), staged),
+                             (deep, staged, layout(1, 2, 2, 2))]:
+        ranges = {lay: stage_ranges(config, lay.stages) for lay in (old, new)}
         tensors = [TensorMigration(t.name, MIGRATED_BYTES_PER_ELEMENT, sharding_of(t, old, ranges[old]),
                                    sharding_of(t, new, ranges[new])) for t in param_tensors(config)]
         identity = IdentityMap.first_ranks(old.world_size, new.world_size)  # a change of world keeps the order
@@ -351,6 +353,18 @@ def test_gpipe_keeps_every_micro_batch_in_flight_and_1f1b_at_most_pp() -> None:
     assert activations("1f1b", 16) == 4 * one == activations("1f1b", 4)
 
 
+def test_two_stages_a_process_shorten_the_bubble_and_keep_more_in_flight() -> None:
+    """Interleaved 1F1B over pp=4 x pp_virtual=2: half of 1F1B's fill and drain; activations 1 + 3/8 of 1F1B's."""
+    plain, interleaved = (HybridLayout(dp_shard=2, pp=4, pp_virtual=v).resolve(8) for v in (1, 2))
+    common = {"seq_len": SEQ_LEN, "micro_batch_size": 1, "grad_accumulation": 8}
+    step = {lay.pp_virtual: estimate_step_time(LLAMA_1B, lay, devices_per_node=8, **common)
+            for lay in (plain, interleaved)}
+    assert step[2].pipeline_bubble == pytest.approx(step[1].pipeline_bubble / 2)
+    memory = {schedule: estimate_memory(LLAMA_1B, lay, pipeline_schedule=schedule, **common).activations
+              for schedule, lay in (("1f1b", plain), ("interleaved_1f1b", interleaved))}
+    assert memory["interleaved_1f1b"] == round(memory["1f1b"] * (1 + 3 / 8))
+
+
 def test_1f1b_needs_a_micro_batch_per_stage() -> None:
     staged = pick(16, None, global_batch=16, allow_pp=True, pp=(1, 4), micro_batch_sizes=(4,),
                   pipeline_schedule="1f1b")
@@ -372,7 +386,7 @@ def test_pipeline_parallelism_only_when_allowed() -> None:
 INVALID = [
     ({"tpp": [2]}, r"unknown picker key\(s\) \['tpp'\]; valid keys: dp_replicate, dp_shard, tp, pp"),
     ({"pp": [1, 2]}, r"pp=\[1, 2\] allows pipeline stages but allow_pp is false: pipeline stages are opt-in"),
-    ({"pipeline_schedule": "interleaved"}, r"pipeline_schedule must be one of \['gpipe', '1f1b'\]"),
+    ({"pipeline_schedule": "interleaved"}, r"pipeline_schedule must be one of \['gpipe', '1f1b', 'interleaved_1f1b'\]"),
     ({"table": {8: {"pp": 2, "dp_shard": 4}}}, r"table\[8\]: pp=2 but allow_pp is false"),
     ({"table": {8: {"dp_shard": 16}}}, r"table\[8\]: .* needs 16 devices but the world has 8"),
     ({"table": {8: {"tensor": 2}}}, r"table\[8\]: unknown layout key\(s\) \['tensor'\]; valid keys"),

@@ -98,6 +98,28 @@ def test_a_stage_keeps_its_parameters_under_their_names() -> None:
     assert any(n.startswith("tok_embeddings") for n in held[0]) and any(n.startswith("output") for n in held[1])
 
 
+def test_with_two_stages_a_process_each_stage_is_a_view_over_its_own_blocks() -> None:
+    """pp=2 x pp_virtual=2 over 4 blocks: process 0 holds stages 0 and 2 (blocks 0 and 2, the embedding), process 1
+    stages 1 and 3 (blocks 1 and 3, the head). Each stage's view runs only its blocks, sharing the model's modules;
+    cutting a view leaves the model whole."""
+    config = dataclasses.replace(get_model_config("tiny"), n_layers=4)
+    torch.manual_seed(0)
+    full = Llama(config)
+    tokens = torch.randint(0, config.vocab_size, (2, 9))
+    expected = full(tokens)
+    processes = [keep_stage(copy.deepcopy(full), 2, p, pp_virtual=2) for p in range(2)]
+    assert [sorted(m.layers) for m in processes] == [["0", "2"], ["1", "3"]]
+    chunks = [m.pipeline_chunks for m in processes]
+    assert [[sorted(c.layers) for c in cs] for cs in chunks] == [[["0"], ["2"]], [["1"], ["3"]]]
+    assert chunks[0][0].layers["0"] is processes[0].layers["0"] and chunks[0][1].tok_embeddings is None
+    assert chunks[1][1].output is processes[1].output and chunks[1][0].output is None
+    assert not list(chunks[0][1].parameters(recurse=False)) and sorted(processes[0].layers) == ["0", "2"]
+    h = tokens  # stage s runs on process s % 2, chunk s // 2
+    for stage in range(4):
+        h = chunks[stage % 2][stage // 2](h)
+    torch.testing.assert_close(h, expected, rtol=0, atol=0)
+
+
 MICRO_BATCHES = 4
 
 
@@ -202,7 +224,7 @@ def _stage_migration_worker(rank: int, processes: int, chain: tuple[Step, ...]) 
     model = optimizer = None
     if rank < first_world:
         model, optimizer = copy.deepcopy((full, full_optimizer))
-        keep_stage(model, first.pp, rank_to_coordinate(rank, first.mesh_shape)[0])
+        keep_stage(model, first.pp, rank_to_coordinate(rank, first.mesh_shape)[0], first.pp_virtual)
     mismatches: list[str | None] = []
     for (old, old_world), (new, new_world) in itertools.pairwise(chain):
         new_model, new_optimizer = _built(new, new_world, config, rank)
@@ -243,6 +265,12 @@ CHAINS = {
     "pp2-pp2s2-s4-pp2t2-pp4-pp2s2-pp2": _chain(({"pp": 2}, 2), ({"pp": 2, "dp_shard": 2}, 4), ({"dp_shard": 4}, 4),
                                               ({"pp": 2, "tp": 2}, 4), ({"pp": 4}, 4), ({"pp": 2, "dp_shard": 2}, 4),
                                               ({"pp": 2}, 2)),
+    # two stages a process (interleaved): blocks 1 and 2 swap processes between pp2 and pp2 x pp_virtual2; with
+    # FSDP2 and TP inside, and into and out of pp4 and plain FSDP
+    "pp2v2-pp2-pp2v2s2-pp4-pp2v2t2-s2-pp2v2": _chain(({"pp": 2, "pp_virtual": 2}, 2), ({"pp": 2}, 2),
+                                                    ({"pp": 2, "pp_virtual": 2, "dp_shard": 2}, 4), ({"pp": 4}, 4),
+                                                    ({"pp": 2, "pp_virtual": 2, "tp": 2}, 4), ({"dp_shard": 2}, 2),
+                                                    ({"pp": 2, "pp_virtual": 2}, 2)),
 }
 
 

@@ -1,8 +1,9 @@
 """Training with pipeline stages through ``Trainer.fit``: the strategy drives the schedule, the module stays as it is.
 
 The project's own ``LlamaLightningModule`` (its ``training_step`` calls ``self(inputs)`` and returns the loss, as
-without stages) trains under ``pp = 2`` alone and combined with FSDP2, TP and HSDP inside the stages, and each run
-is compared with the same steps under FSDP2 alone: the loss of every step on every rank (the last stage computes it,
+without stages) trains under ``pp = 2`` alone and combined with FSDP2, TP and HSDP inside the stages, and with two
+stages a process (``pp_virtual = 2``, the interleaved 1F1B schedule), and each run is compared with the same steps
+under FSDP2 alone: the loss of every step on every rank (the last stage computes it,
 every rank logs it) and the full gradients of the first step. Tolerance: the float32 arithmetic is the same but for
 reduction order (FSDP2's and TP's sums, the schedule's micro-batch sum), measured at most 1e-7 relative on the loss;
 the bound is 1e-5. The gradients are compared directly because AdamW hides a wrong scale: with the schedule's
@@ -56,8 +57,9 @@ def _full_gradients(module: pl.LightningModule) -> dict[str, torch.Tensor]:
 
 def _train(rank: int, world: int, root: str, layout: dict[str, int], schedule: str,
            changes: list[tuple[int, dict[str, int]]] | None = None, steps: int = STEPS,
-           clip: float | None = None) -> dict[str, Any]:
+           clip: float | None = None, size: str = "tiny") -> dict[str, Any]:
     cfg = tiny_config(layout=layout, max_steps=steps, world_size=world)
+    cfg.model.size = size
     cfg.trainer.pipeline_schedule = schedule
     cfg.trainer.gradient_clip_val = clip
     if changes:
@@ -103,31 +105,47 @@ def test_two_stages_train_like_fsdp(tmp_path: Path, reference_2: dict[str, Any],
     _assert_same_training(results, reference_2)
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 def test_stages_with_fsdp_tp_and_replicas_inside_train_like_fsdp(tmp_path: Path) -> None:
-    reference = run_distributed(_train, 4, str(tmp_path / "ref"), {"dp_shard": 4}, "gpipe", timeout_s=200)[0]
-    for layout in ({"dp_shard": 2, "pp": 2}, {"dp_shard": 1, "tp": 2, "pp": 2}, {"dp_replicate": 2, "dp_shard": 1,
-                                                                               "pp": 2}):
+    """pp=2 with FSDP2, TP or replicas inside (1F1B), and two stages a process (pp_virtual=2: 4 blocks over 2
+    processes) with FSDP2 or TP inside under the interleaved 1F1B schedule (4 micro-batches: 2 rounds of pp)."""
+    reference = run_distributed(_train, 4, str(tmp_path / "ref"), {"dp_shard": 4}, "gpipe", None, STEPS, None,
+                                "tiny_deep", timeout_s=200)[0]
+    for layout, schedule in (({"dp_shard": 2, "pp": 2}, "1f1b"), ({"dp_shard": 1, "tp": 2, "pp": 2}, "1f1b"),
+                             ({"dp_replicate": 2, "dp_shard": 1, "pp": 2}, "1f1b"),
+                             ({"dp_shard": 2, "pp": 2, "pp_virtual": 2}, "interleaved_1f1b"),
+                             ({"dp_shard": 1, "tp": 2, "pp": 2, "pp_virtual": 2}, "interleaved_1f1b")):
         name = "-".join(f"{k}{v}" for k, v in layout.items())
-        results = run_distributed(_train, 4, str(tmp_path / name), layout, "1f1b", timeout_s=200)
+        results = run_distributed(_train, 4, str(tmp_path / name), layout, schedule, None, STEPS, None, "tiny_deep",
+                                  timeout_s=200)
+        # each process holds its stages' blocks: with two a process, the first blocks 0 and 2, the last 1 and 3
+        blocks = {rank: sorted({int(n.split(".")[2]) for n in r["grads"] if ".layers." in n})
+                  for rank, r in enumerate(results)}
+        assert blocks[0] == ([0, 2] if layout.get("pp_virtual") else [0, 1]), (name, blocks)
+        assert blocks[3] == ([1, 3] if layout.get("pp_virtual") else [2, 3]), (name, blocks)
         _assert_same_training(results, reference)
 
 
 @pytest.mark.timeout(300)
 def test_live_changes_into_and_out_of_stages_follow_the_uninterrupted_run(tmp_path: Path) -> None:
-    changes = [(1, {"dp_shard": 2, "pp": 2}), (2, {"dp_shard": 1, "tp": 2, "pp": 2}),
-               (3, {"dp_replicate": 2, "dp_shard": 1, "pp": 2}), (4, {"dp_shard": 4})]
-    reference = run_distributed(_train, 4, str(tmp_path / "ref"), {"dp_shard": 4}, "gpipe", None, 6,
-                                timeout_s=200)[0]
-    results = run_distributed(_train, 4, str(tmp_path / "live"), {"dp_shard": 4}, "gpipe", changes, 6,
-                              timeout_s=240)
+    """FSDP over 4 -> 2 stages with FSDP2 inside -> two stages a process (blocks move between processes, not only
+    shards) -> 4 stages -> two a process with TP inside -> FSDP; the interleaved schedule runs every stage layout
+    (with one stage a process it is 1F1B's order)."""
+    changes = [(1, {"dp_shard": 2, "pp": 2}), (2, {"dp_shard": 2, "pp": 2, "pp_virtual": 2}),
+               (3, {"dp_shard": 1, "pp": 4}), (4, {"dp_shard": 1, "tp": 2, "pp": 2, "pp_virtual": 2}),
+               (5, {"dp_shard": 4})]
+    reference = run_distributed(_train, 4, str(tmp_path / "ref"), {"dp_shard": 4}, "gpipe", None, 7, None,
+                                "tiny_deep", timeout_s=200)[0]
+    results = run_distributed(_train, 4, str(tmp_path / "live"), {"dp_shard": 4}, "interleaved_1f1b", changes, 7,
+                              None, "tiny_deep", timeout_s=240)
     for rank, result in enumerate(results):
-        assert [e["step"] for e in result["events"]] == [1, 2, 3, 4], rank
+        assert [(e["step"], e["new_layout"].get("pp_virtual", 1)) for e in result["events"]] == \
+            [(1, 1), (2, 2), (3, 1), (4, 2), (5, 1)], rank
         assert all(e["bytes_moved"] > 0 for e in result["events"])
         # FSDP over 4 -> 2 stages x FSDP over 2 numbers dp_shard before pp: each process keeps its quarter
         # (tests/test_planner.py counts the bytes); training on it goes on like the uninterrupted run
-        assert result["events"][0]["new_layout"]["rank_order"].index("dp_shard") < \
-            result["events"][0]["new_layout"]["rank_order"].index("pp"), result["events"][0]
+        first = result["events"][0]["new_layout"]["rank_order"]
+        assert first.index("dp_shard") < first.index("pp"), result["events"][0]
         for step, (got, want) in enumerate(zip(result["losses"], reference["losses"], strict=True)):
             assert abs(got - want) <= LOSS_RTOL * abs(want), f"rank {rank} step {step}: loss {got} vs {want}"
     assert results[0]["offset"] == reference["offset"]
@@ -142,7 +160,7 @@ def _too_few_micro_batches(rank: int, world: int, root: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_1f1b_with_fewer_micro_batches_than_stages_is_refused_before_training(tmp_path: Path) -> None:
-    with pytest.raises(WorkerFailed, match=r"1f1b schedule needs at least as many micro-batches per step as stages"):
+    with pytest.raises(WorkerFailed, match=r"the 1f1b schedule needs at least 2 micro-batches per step"):
         run_distributed(_too_few_micro_batches, 2, str(tmp_path), timeout_s=100)
 
 
@@ -151,6 +169,18 @@ def test_an_unknown_schedule_is_refused() -> None:
 
     with pytest.raises(ValueError, match="pipeline_schedule must be one of"):
         ElasticMigrationStrategy(global_batch_size=8, micro_batch_size=2, pipeline_schedule="interleaved")
+
+
+def test_a_schedule_that_cannot_run_the_layouts_stages_is_refused() -> None:
+    from lightning_emig.strategy.pipeline import PipelineError, check_schedule
+
+    with pytest.raises(PipelineError, match="the 1f1b schedule runs one; use pipeline_schedule='interleaved_1f1b'"):
+        check_schedule("1f1b", pp=2, micro_batches=4, pp_virtual=2)
+    # torch's interleaved schedule runs max(1, m // pp) equal rounds: 5 over pp=2 cannot be split into 2
+    with pytest.raises(PipelineError, match=r"5 micro-batches per step do not divide into them"):
+        check_schedule("interleaved_1f1b", pp=2, micro_batches=5, pp_virtual=2)
+    for micro_batches in (1, 2, 4, 6):
+        check_schedule("interleaved_1f1b", pp=2, micro_batches=micro_batches, pp_virtual=2)
 
 
 def test_a_module_without_a_stage_is_refused() -> None:

@@ -23,9 +23,10 @@ runs, the median reported (``samples`` lists them).
   before the next run). Not run where a layout has pipeline stages (``p``): it walks every tensor on every old
   process, and a stage holds its own tensors only.
 
-Transitions are written ``OLD:NEW`` with ``r`` dp_replicate, ``s`` dp_shard, ``t`` tp, ``p`` pp and a degree each
-(``p2s2:s4``: two stages of FSDP2 over two processes each, to FSDP2 over four; a stage is built by
-``parallelize_model``, and the state's specs say which stage holds each tensor). A side may end in ``@`` and the four
+Transitions are written ``OLD:NEW`` with ``r`` dp_replicate, ``s`` dp_shard, ``t`` tp, ``p`` pp, ``v`` pp_virtual
+and a degree each (``p2s2:s4``: two stages of FSDP2 over two processes each, to FSDP2 over four; ``p2:p2v2``: two
+stages to four, two a process, interleaved; a stage is built by ``parallelize_model``, and the state's specs say
+which stage holds each tensor). A side may end in ``@`` and the four
 letters in rank order, slowest first (``s4:p2s2@rspt``: dp_shard numbered before pp, the order a live change on one
 node chooses for it; see ``lightning_emig.migration.rank_order``).
 
@@ -66,7 +67,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import statistics
 import time
@@ -81,7 +81,7 @@ import torch.distributed.checkpoint as dcp
 from plot_migration import METHODS, plot, summary  # tools/, beside this script
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_emig.layout import HybridLayout, LayoutMesh, build_mesh
+from lightning_emig.layout import HybridLayout, LayoutMesh, build_mesh, degrees_from_short
 from lightning_emig.migration.engine import migrate
 from lightning_emig.migration.planner import IdentityMap
 from lightning_emig.migration.state import (
@@ -105,7 +105,7 @@ from lightning_emig.testing import memory
 from lightning_emig.testing.distributed import WorkerFailed, run_distributed
 
 DEFAULT_TRANSITIONS = "s4:t2s2,t2s2:r2s2,s4:s3,s3:s4,p2s2:s4,p2t2:p4"
-_AXES = {"r": "dp_replicate", "s": "dp_shard", "t": "tp", "p": "pp"}
+_RANK_AXES = {"r": "dp_replicate", "s": "dp_shard", "t": "tp", "p": "pp"}  # the rank order's letters
 _MASK = (1 << 24) - 1  # pattern values are multiples of 2**-24 in [-0.5, 0.5): exact in float32
 _MULT = 2654435761  # odd, so index -> index * _MULT is a bijection modulo 2**24
 
@@ -130,18 +130,11 @@ class Transition:
 
 def _parse_side(text: str) -> dict[str, Any]:
     text, _, order = text.partition("@")
-    parts = re.findall(r"([rstp])(\d+)", text)
-    if not parts or "".join(a + n for a, n in parts) != text:
-        raise ValueError(
-            f"bad layout {text!r}: use letters r/s/t/p with degrees, e.g. t2s2 (tp=2, dp_shard=2)"
-        )
-    degrees: dict[str, Any] = {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1}
-    for axis, n in parts:
-        degrees[_AXES[axis]] = int(n)
+    degrees: dict[str, Any] = {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1, **degrees_from_short(text)}
     if order:
-        if sorted(order) != sorted(_AXES):
+        if sorted(order) != sorted(_RANK_AXES):
             raise ValueError(f"bad rank order {order!r}: the four letters r/s/t/p, slowest first, e.g. rspt")
-        degrees["rank_order"] = tuple(_AXES[a] for a in order)
+        degrees["rank_order"] = tuple(_RANK_AXES[a] for a in order)
     return degrees
 
 
@@ -675,7 +668,7 @@ def _worker(rank: int, world: int, args: dict[str, Any]) -> list[dict[str, Any]]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="llama_25m,llama_125m,llama_350m")
-    parser.add_argument("--transitions", default=DEFAULT_TRANSITIONS, help="OLD:NEW,...; r/s/t/p + degree")
+    parser.add_argument("--transitions", default=DEFAULT_TRANSITIONS, help="OLD:NEW,...; r/s/t/p/v + degree")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument(
         "--world", type=int, default=4, help="processes (the largest world of any transition)"

@@ -4,29 +4,28 @@
 
 Each layout trains the same model, data and global batch for ``--steps`` steps in fresh processes (gloo on CPU);
 the step time is the mean of the steps after the first two (``LlamaLightningModule.step_end_times``), the slowest
-rank's. A layout is ``r``/``s``/``t``/``p`` + degree joined (``p2s2``: two stages, FSDP over two inside each), with
-``:gpipe`` or ``:1f1b`` for the schedule.
+rank's. A layout is ``r``/``s``/``t``/``p``/``v`` + degree joined (``p2s2``: two stages, FSDP over two inside each;
+``p2v2``: four stages, two a process), with ``:gpipe``, ``:1f1b`` or ``:interleaved_1f1b`` for the schedule.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import tempfile
 from pathlib import Path
 
+from lightning_emig.layout import LayoutError, degrees_from_short
 from lightning_emig.testing.distributed import run_distributed
 from lightning_emig.testing.runs import fit, tiny_config
-
-AXES = {"r": "dp_replicate", "s": "dp_shard", "t": "tp", "p": "pp"}
 
 
 def parse_layout(text: str) -> tuple[dict[str, int], str]:
     spec, _, schedule = text.partition(":")
-    degrees = {AXES[axis]: int(n) for axis, n in re.findall(r"([rstp])(\d+)", spec)}
-    if not degrees or "".join(f"{a}{n}" for a, n in re.findall(r"([rstp])(\d+)", spec)) != spec:
-        raise SystemExit(f"cannot read layout {text!r}: use r/s/t/p + degree, e.g. p2s2:1f1b")
+    try:
+        degrees = degrees_from_short(spec)
+    except LayoutError as error:
+        raise SystemExit(f"{error} (then :schedule, e.g. p2s2:1f1b)") from None
     return {"dp_shard": 1, **degrees}, schedule or "gpipe"
 
 

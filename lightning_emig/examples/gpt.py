@@ -182,8 +182,9 @@ class GPTModule(pl.LightningModule):
         for what, size in (("heads", self.model_config.n_heads), ("FFN width", self.model_config.d_ff)):
             if size % layout.tp:
                 raise LayoutError(f"tp={layout.tp} does not divide the model's {what} ({size})")
-        if layout.pp > self.model_config.n_layers:
-            raise LayoutError(f"pp={layout.pp} is more stages than the model's {self.model_config.n_layers} blocks")
+        if layout.stages > self.model_config.n_layers:
+            raise LayoutError(f"{layout.describe_stages()} is more stages than the model's "
+                              f"{self.model_config.n_layers} blocks")
 
     def configure_model(self) -> None:
         if self.model is not None:  # the strategy sets it to None whenever the layout changes
@@ -243,7 +244,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (kept when the world allows)")
     parser.add_argument("--dp-replicate", type=int, default=1, help="2: HSDP, each replica a whole copy")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (kept when the world allows)")
-    parser.add_argument("--pipeline-schedule", choices=("gpipe", "1f1b"), default="gpipe")
+    parser.add_argument("--pp-virtual", type=int, default=1,
+                        help="stages a pipeline process holds (> 1: --pipeline-schedule interleaved_1f1b)")
+    parser.add_argument("--pipeline-schedule", choices=("gpipe", "1f1b", "interleaved_1f1b"), default="gpipe")
+    parser.add_argument("--n-layers", type=int, default=GPTConfig.n_layers, help="transformer blocks")
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--checkpoint-every", type=int, default=10, help="periodic checkpoint interval (steps)")
     parser.add_argument("--ledger", action="store_true", help="record every sample trained on (data ledger)")
@@ -256,10 +260,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from lightning_emig.membership.failure import FailureSettings
 
-    config = GPTConfig()
+    config = GPTConfig(n_layers=args.n_layers)
     pl.seed_everything(args.seed, workers=True)
     strategy = ElasticMigrationStrategy(
-        layout=HybridLayout(dp_replicate=args.dp_replicate, dp_shard=-1, tp=args.tp, pp=args.pp),
+        layout=HybridLayout(dp_replicate=args.dp_replicate, dp_shard=-1, tp=args.tp, pp=args.pp,
+                            pp_virtual=args.pp_virtual),
         pipeline_schedule=args.pipeline_schedule,
         global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
         timeout=timedelta(seconds=60), seed=args.seed, async_checkpoints=True,

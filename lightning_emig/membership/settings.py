@@ -141,13 +141,14 @@ class ElasticWorker(Protocol):
 def layout_for_new_world(requested: HybridLayout, world_size: int) -> HybridLayout:
     """The largest valid layout by a simple rule (until the picker lands), resolved for ``world_size``.
 
-    Keep the requested ``tp``, ``pp`` and ``dp_replicate`` when their product divides the new world and let
-    ``dp_shard`` fill the rest; otherwise fall back to pure FSDP over the whole world.
+    Keep the requested ``tp``, ``pp`` (with its ``pp_virtual``) and ``dp_replicate`` when their product divides the
+    new world and let ``dp_shard`` fill the rest; otherwise fall back to pure FSDP over the whole world.
     """
     fixed = requested.tp * requested.pp * requested.dp_replicate
     if all(d > 0 for d in (requested.tp, requested.pp, requested.dp_replicate)) and world_size % fixed == 0:
         return HybridLayout(
-            dp_replicate=requested.dp_replicate, dp_shard=-1, tp=requested.tp, pp=requested.pp
+            dp_replicate=requested.dp_replicate, dp_shard=-1, tp=requested.tp, pp=requested.pp,
+            pp_virtual=requested.pp_virtual,
         ).resolve(world_size)
     return HybridLayout(dp_shard=-1).resolve(world_size)
 

@@ -8,6 +8,10 @@ Among equally good splits the earlier stages take fewer blocks (under 1F1B the f
 micro-batches' activations in flight). With a small vocabulary this is the even split; a large one gives the end
 stages fewer blocks.
 
+With ``pp_virtual`` stages per process (the interleaved schedule's layout) the model is split the same way into
+``pp x pp_virtual`` stages and stage ``s`` goes to the process whose pipeline coordinate is ``s % pp``: each process
+holds ``pp_virtual`` runs of blocks, the embedding is on process 0 and the head on process ``pp - 1``.
+
 Names: ``layers.<i>.`` anywhere in a name puts it in block ``i``; a component in ``first_stage`` (the embedding)
 puts it on stage 0; a buffer of the model's root module (``StageSplit.shared``: cutting a model to a stage keeps
 it, e.g. a step counter) is held by every stage; everything else goes to the last stage.
@@ -142,6 +146,12 @@ class StageSplit:
     def ranges(self, pp: int) -> tuple[range, ...]:
         return _split_of(self, pp)
 
+    def chunks_of(self, pp: int, process: int, pp_virtual: int = 1) -> tuple[range, ...]:
+        """The blocks of each stage pipeline process ``process`` (of ``pp``) holds, in schedule order: stages
+        ``process, process + pp, ...`` of the ``pp x pp_virtual``."""
+        ranges = self.ranges(pp * pp_virtual)
+        return tuple(ranges[process + chunk * pp] for chunk in range(pp_virtual))
+
 
 @functools.lru_cache(maxsize=64)
 def _split_of(split: StageSplit, pp: int) -> tuple[range, ...]:
@@ -168,10 +178,12 @@ class StageOwner:
             raise GeometryError(f"{name!r} names layer {block} but the model has {len(split.block_costs)} layers")
         return cls(block, block is None and any(part in first_stage for part in name.split(".")), split)
 
-    def stage(self, pp: int) -> int | None:
-        """The stage holding the tensor among ``pp`` (None: every stage holds a copy)."""
+    def stage(self, pp: int, pp_virtual: int = 1) -> int | None:
+        """The pipeline process (of ``pp``, each with ``pp_virtual`` stages) holding the tensor (None: every
+        process holds a copy)."""
         if self.every:
             return None
         if self.block is not None:
-            return next(stage for stage, blocks in enumerate(self.split.ranges(pp)) if self.block in blocks)
+            ranges = self.split.ranges(pp * pp_virtual)
+            return next(stage for stage, blocks in enumerate(ranges) if self.block in blocks) % pp
         return 0 if self.first else pp - 1

@@ -60,7 +60,7 @@ def _sharding_on(spec: ShardingSpec, layout: HybridLayout) -> TensorSharding:
         if spec.owner is None:
             raise GeometryError(f"a tensor of shape {spec.global_shape} has no pipeline stage owner, so it cannot be "
                                 f"placed on {layout.describe()}: pipelining needs a model with blocks()")
-        stage = spec.owner.stage(layout.pp)
+        stage = spec.owner.stage(layout.pp, layout.pp_virtual)
     return TensorSharding.for_layout(spec.global_shape, layout, spec.mesh_dim_names, spec.placements, stage=stage)
 
 

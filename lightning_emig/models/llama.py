@@ -98,6 +98,8 @@ class LlamaConfig:
 # from llama_350m up.
 MODEL_SIZES: dict[str, LlamaConfig] = {
     "tiny": LlamaConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=176, max_seq_len=256),
+    # tiny with 4 blocks: enough for 2 pipeline processes of 2 stages each (pp=2, pp_virtual=2)
+    "tiny_deep": LlamaConfig(dim=64, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=176, max_seq_len=256),
     "llama_25m": LlamaConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=1536, max_seq_len=512),
     "llama_125m": LlamaConfig(
         dim=768, n_layers=16, n_heads=12, n_kv_heads=4, ffn_hidden=2688, max_seq_len=2048

@@ -7,6 +7,7 @@ Invariants:
 * the order is fixed: validate the layout against the model, tensor parallelism, then FSDP2 — FSDP2 must see the
   TP DTensors to shard them further (and produces ``_StridedShard`` placements on TP-sharded dim 0);
 * with ``pp > 1`` the model is first cut to this process's pipeline stage (:mod:`~lightning_emig.parallelize.pipeline`);
+  with ``pp_virtual > 1`` each of its stages (a view of the model) is an FSDP2 root of its own;
 * the model is transformed in place and returned, its parameter names unchanged.
 """
 
@@ -18,6 +19,7 @@ from lightning_emig.layout import MeshAxis
 from lightning_emig.models.base import blocks_of
 from lightning_emig.parallelize.fsdp import apply_fsdp, data_parallel_mesh
 from lightning_emig.parallelize.init import materialize_and_init, materialize_empty, parameter_seed
+from lightning_emig.parallelize.pipeline import stage_chunks
 from lightning_emig.parallelize.tensor_parallel import apply_tensor_parallel
 
 if TYPE_CHECKING:
@@ -63,7 +65,7 @@ def parallelize_model(
         coordinate = layout_mesh.root.get_coordinate()
         if coordinate is None:
             raise ValueError("this process is not on the layout's mesh: it has no pipeline stage to build")
-        keep_stage(model, layout.pp, coordinate[0])
+        keep_stage(model, layout.pp, coordinate[0], layout.pp_virtual)
     if tp_plan is None and hasattr(model, "tensor_parallel_plan"):
         tp_plan = model.tensor_parallel_plan()  # type: ignore[operator]
     if blocks is None:
@@ -72,7 +74,7 @@ def parallelize_model(
         kept = {id(m) for m in model.modules()}
         blocks = [block for block in blocks if id(block) in kept]
     apply_tensor_parallel(model, layout_mesh[MeshAxis.TP], tp_plan, blocks)
-    apply_fsdp(model, layout_mesh, blocks=blocks, mp_policy=mp_policy)
+    apply_fsdp(model, layout_mesh, blocks=blocks, mp_policy=mp_policy, roots=stage_chunks(model))
     return model
 
 

@@ -46,9 +46,11 @@ def apply_fsdp(
     blocks: Sequence[nn.Module] | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
+    roots: Sequence[nn.Module] | None = None,
 ) -> None:
     """Wrap each of ``blocks`` (default: ``model.blocks()`` if it has one), then the root, with ``fully_shard`` in
-    place. With ``dp == 1`` nothing is done, unless ``mp_policy`` is given: FSDP2 is what casts the parameters to the
+    place. ``roots`` (default: the model) are what runs forward: a process holding several pipeline stages runs
+    each stage's view of the model, so each view is a root, wrapping the parameters it holds outside the blocks. With ``dp == 1`` nothing is done, unless ``mp_policy`` is given: FSDP2 is what casts the parameters to the
     compute dtype, so it then wraps over the 1-rank ``dp_shard`` axis (a layout change must not change the
     numerics)."""
     mesh = data_parallel_mesh(layout_mesh)
@@ -63,7 +65,7 @@ def apply_fsdp(
     policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    root: nn.Module = model
     # The root's parameters are needed first in backward (output projection), so FSDP2 keeps them unsharded
     # after forward by default; leave that choice to it.
-    fully_shard(root, mesh=mesh, mp_policy=policy)
+    for root in roots if roots is not None else (model,):
+        fully_shard(root, mesh=mesh, mp_policy=policy)

@@ -1,4 +1,4 @@
-"""A model cut down to one pipeline stage.
+"""A model cut down to one pipeline process's stages.
 
 Which blocks a stage holds is the project's one split rule (:mod:`lightning_emig.migration.stages`, shared with the
 migration geometry and the picker): balanced by parameter count, counted by name. A model takes part through one
@@ -6,6 +6,12 @@ hook, as :class:`~lightning_emig.models.llama.Llama` does: ``keep_stage(blocks: 
 drops every block outside ``blocks`` and, unless it is the first or the last stage, the embedding or the norm and
 head. The kept modules keep their names, so a parameter's name is the same in every stage layout (the key the
 migration moves it by).
+
+With ``pp_virtual > 1`` (the interleaved schedule) a process holds several stages: the model keeps the blocks of all
+of them (one ``keep_stage`` call with their union), and each stage gets a *chunk*, a shallow view of the cut model
+over that stage's blocks only (``pipeline_chunks``): the view shares every module and parameter with the model but
+has its own containers and hooks, so each stage is an FSDP2 root of its own and its forward runs only its blocks.
+The model itself, not the chunks, is what the optimizer, the state dict and the migration see.
 
 The strategy trains a stage with torch's schedules (:mod:`lightning_emig.strategy.pipeline`); the state's specs
 record each tensor's stage, so the migration moves state between any stage layouts.
@@ -23,9 +29,9 @@ if TYPE_CHECKING:
     from lightning_emig.migration.stages import StageSplit
 
 
-def stage_ranges(model: nn.Module, pp: int) -> tuple[range, ...]:
+def stage_ranges(model: nn.Module, stages: int) -> tuple[range, ...]:
     """The blocks of every stage of ``model`` (the whole model's, also once it is cut to one stage)."""
-    return _split(model).ranges(pp)
+    return _split(model).ranges(stages)
 
 
 def _split(model: nn.Module) -> StageSplit:
@@ -35,16 +41,63 @@ def _split(model: nn.Module) -> StageSplit:
     return split
 
 
-def keep_stage(model: nn.Module, pp: int, stage: int) -> nn.Module:
-    """Cut ``model`` down, in place, to pipeline stage ``stage`` of ``pp``; return it. The whole model's split stays
-    recorded on it (``pipeline_split``): its state's specs then say which stage holds each tensor for any ``pp``."""
+def keep_stage(model: nn.Module, pp: int, stage: int, pp_virtual: int = 1) -> nn.Module:
+    """Cut ``model`` down, in place, to the stages of pipeline process ``stage`` of ``pp`` (``pp_virtual`` each);
+    return it. The whole model's split stays recorded on it (``pipeline_split``): its state's specs then say which
+    stage holds each tensor for any layout. With ``pp_virtual > 1`` its ``pipeline_chunks`` are the stages' views."""
     if not 0 <= stage < pp:
         raise ValueError(f"stage {stage} is not one of the {pp} stages")
     split = _split(model)
-    blocks = split.ranges(pp)[stage]
+    chunks = split.chunks_of(pp, stage, pp_virtual)
+    blocks = chunks[0] if pp_virtual == 1 else frozenset(b for chunk in chunks for b in chunk)
     model.keep_stage(blocks, first=stage == 0, last=stage == pp - 1)  # type: ignore[operator]
+    if pp_virtual > 1:
+        model.pipeline_chunks = tuple(
+            _chunk_view(model, chunk, first=stage == 0 and index == 0,
+                        last=stage == pp - 1 and index == pp_virtual - 1)
+            for index, chunk in enumerate(chunks))
     model.pipeline_split = split
     return model
 
 
-__all__ = ["keep_stage", "stage_ranges"]
+def stage_chunks(model: nn.Module) -> tuple[nn.Module, ...]:
+    """The modules a pipeline schedule runs for this process's stages, in stage order: the chunks, or the model."""
+    return getattr(model, "pipeline_chunks", None) or (model,)
+
+
+def _chunk_view(model: nn.Module, blocks: range, *, first: bool, last: bool) -> nn.Module:
+    """A view of ``model`` holding ``blocks`` (and the embedding if ``first``, the head if ``last``): the model's
+    modules, its buffers and (on the last stage, which owns what is outside the blocks) its own parameters, in new
+    containers cut by the model's own ``keep_stage``."""
+    from lightning_emig.models.base import blocks_of
+
+    view = _shallow(model, parameters=last)
+    names = {id(m): name for name, m in model.named_modules()}
+    above_blocks = {".".join(names[id(b)].split(".")[:depth]) for b in blocks_of(model)
+                    for depth in range(1, names[id(b)].count(".") + 1)}
+    for path in sorted(above_blocks, key=lambda p: p.count(".")):  # outermost first: each lands in a copied parent
+        parent_path, _, attribute = path.rpartition(".")
+        parent = view.get_submodule(parent_path) if parent_path else view
+        parent._modules[attribute] = _shallow(model.get_submodule(path), parameters=True)  # noqa: SLF001
+    view.keep_stage(blocks, first=first, last=last)  # type: ignore[operator]
+    return view
+
+
+def _shallow(module: nn.Module, *, parameters: bool) -> nn.Module:
+    """A new module of ``module``'s class sharing its attributes, buffers and children but with containers and
+    hooks of its own (cutting or wrapping it leaves ``module`` as it was)."""
+    from torch import nn
+
+    view = type(module).__new__(type(module))
+    nn.Module.__init__(view)
+    internals = set(view.__dict__)
+    view.__dict__.update({k: v for k, v in module.__dict__.items() if k not in internals})
+    view._buffers = module._buffers  # noqa: SLF001 - shared: every stage reads the root's buffers
+    view._non_persistent_buffers_set = module._non_persistent_buffers_set  # noqa: SLF001
+    view._parameters = module._parameters if parameters else {}  # noqa: SLF001
+    view._modules = dict(module._modules)  # noqa: SLF001
+    view.training = module.training
+    return view
+
+
+__all__ = ["keep_stage", "stage_chunks", "stage_ranges"]

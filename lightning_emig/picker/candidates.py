@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lightning_emig.data.batching import BatchPlan
-from lightning_emig.layout import HybridLayout, LayoutError, least_micro_batches
+from lightning_emig.layout import HybridLayout, LayoutError, least_micro_batches, micro_batches_problem
 from lightning_emig.picker.constraints import AXES, PickerConstraints
 from lightning_emig.picker.memory import MemoryEstimate, estimate_memory
 from lightning_emig.picker.throughput import HardwareProfile, StepEstimate, estimate_step_time, within_node
@@ -136,6 +136,9 @@ def structural_reason(problem: Problem, layout: HybridLayout) -> str | None:
         if least_micro_batches(c.pipeline_schedule, layout.pp) > 1:
             return (f"1f1b needs >= pp={layout.pp} micro-batches per step: global batch {problem.global_batch_size} "
                     f"gives fewer with {micro} x dp {layout.dp}")
+        if layout.pp > 1 and c.pipeline_schedule == "interleaved_1f1b":
+            return (f"interleaved_1f1b needs micro-batches per step fewer than pp={layout.pp} or in equal rounds of "
+                    f"it: global batch {problem.global_batch_size} gives none with {micro} x dp {layout.dp}")
         return f"global batch {problem.global_batch_size} not divisible by {micro} x dp {layout.dp}"
     return None
 
@@ -145,8 +148,10 @@ def batch_plans(problem: Problem, layout: HybridLayout) -> list[BatchPlan]:
     # BatchPlan validates again; the modulo first keeps the search off its (costly) error path.
     plans = [BatchPlan(problem.global_batch_size, micro, dp) for micro in problem.constraints.micro_batch_options()
              if problem.global_batch_size % (micro * dp) == 0]
-    least = least_micro_batches(problem.constraints.pipeline_schedule, layout.pp)  # 1F1B: one per stage
-    return [plan for plan in plans if plan.grad_accumulation >= least]
+    schedule = problem.constraints.pipeline_schedule
+    if layout.pp == 1:
+        return plans
+    return [plan for plan in plans if micro_batches_problem(schedule, layout.pp, plan.grad_accumulation) is None]
 
 
 def evaluate(problem: Problem, layout: HybridLayout) -> Candidate:

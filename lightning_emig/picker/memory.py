@@ -73,15 +73,19 @@ def estimate_memory(
 
     ``grad_accumulation`` and ``pipeline_schedule`` matter with ``pp > 1`` only: the first stage keeps the
     activations of every micro-batch whose backward has not run, all ``accumulation`` of them under GPipe,
-    ``min(pp, accumulation)`` under 1F1B. (Bounded by the largest stage's state plus the first stage's
-    activations, as if one stage had both.)
+    ``min(pp, accumulation)`` under 1F1B, and under interleaved 1F1B that times ``1 + (pp - 1) / (pp x pp_virtual)``
+    (its longer warm-up, as Megatron-LM's interleaved schedule measures it). (Bounded by the largest stage's state
+    plus the first stage's activations, as if one stage had both; with ``pp_virtual > 1`` a process's share is
+    taken as the largest of ``pp`` stages'.)
     """
     counts = param_counts(model)
     local = counts.stage_local(layout.tp, layout.pp)
     sharded = -(-local // layout.dp_shard)
-    in_flight = 1
+    in_flight = 1.0
     if layout.pp > 1:
         in_flight = grad_accumulation if pipeline_schedule == "gpipe" else min(layout.pp, grad_accumulation)
+        if pipeline_schedule == "interleaved_1f1b":
+            in_flight *= 1 + (layout.pp - 1) / (layout.pp * layout.pp_virtual)
     per_micro = _activations(model, counts, layout, seq_len, micro_batch_size, mixed_precision,
                              activation_checkpointing)
     return MemoryEstimate(
@@ -89,7 +93,7 @@ def estimate_memory(
         gradients=FP32 * sharded,
         optimizer=2 * FP32 * sharded,
         unsharded=_unsharded_buffers(counts, layout, mixed_precision),
-        activations=in_flight * per_micro,
+        activations=round(in_flight * per_micro),
         logits=micro_batch_size * seq_len * model.vocab_size * (COMPUTE_BYTES[mixed_precision] + 2 * FP32),
         pipeline_buffers=_pipeline_buffers(model, layout, seq_len, micro_batch_size, mixed_precision,
                                            grad_accumulation),

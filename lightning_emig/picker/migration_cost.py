@@ -35,9 +35,15 @@ if TYPE_CHECKING:
 MIGRATED_BYTES_PER_ELEMENT = 12
 
 
-def stage_ranges(model: LlamaConfig, pp: int) -> tuple[range, ...]:
+def stage_ranges(model: LlamaConfig, stages: int) -> tuple[range, ...]:
     """Every stage's blocks: the project's one split rule over this model's parameter counts."""
-    return stage_ranges_by_name(((t.name, _numel(t.shape)) for t in param_tensors(model)), model.n_layers, pp)
+    return stage_ranges_by_name(((t.name, _numel(t.shape)) for t in param_tensors(model)), model.n_layers, stages)
+
+
+def pipeline_process_of(name: str, layout: HybridLayout, ranges: tuple[range, ...]) -> int | None:
+    """The pipeline coordinate holding tensor ``name`` under ``layout`` (``ranges``: its ``layout.stages`` stages'
+    blocks; stage ``s`` is on process ``s % pp``), None without stages."""
+    return stage_of(name, ranges) % layout.pp if layout.pp > 1 else None
 
 
 def sharding_of(tensor: ParamTensor, layout: HybridLayout, ranges: tuple[range, ...]) -> TensorSharding:
@@ -55,7 +61,7 @@ def sharding_of(tensor: ParamTensor, layout: HybridLayout, ranges: tuple[range, 
     if layout.tp > 1:
         names.append("tp")
         placements.append(REPLICATE if tensor.tp_dim is None else PlacementSpec("shard", tensor.tp_dim))
-    stage = stage_of(tensor.name, ranges) if layout.pp > 1 else None
+    stage = pipeline_process_of(tensor.name, layout, ranges)
     return TensorSharding.for_layout(tensor.shape, layout, names, placements, stage=stage)
 
 
@@ -82,10 +88,10 @@ def grouped_migrations(model: LlamaConfig, old: HybridLayout, new: HybridLayout,
                         bytes_per_element: int) -> list[TensorMigration]:
     """The migrated state between two layouts as planner input, tensors of equal shape, TP dim and stages once each
     (``itemsize`` weighted by their count: bytes are linear in it)."""
-    old_ranges, new_ranges = stage_ranges(model, old.pp), stage_ranges(model, new.pp)
+    old_ranges, new_ranges = stage_ranges(model, old.stages), stage_ranges(model, new.stages)
 
     def key(t: ParamTensor) -> tuple[object, ...]:
-        stages = tuple(stage_of(t.name, ranges) if lay.pp > 1 else 0
+        stages = tuple(pipeline_process_of(t.name, lay, ranges)
                        for lay, ranges in ((old, old_ranges), (new, new_ranges)))
         return (t.shape, t.tp_dim, stages)
 

@@ -12,8 +12,9 @@ Pure arithmetic. Invariants:
   compute up to ``comm_overlap``, never hiding the first block's all-gather;
 * a group whose ranks all sit in one node uses ``intra_node_bandwidth``, any other ``inter_node_bandwidth``;
 * pipeline stages: the slowest stage (most blocks, by the project's one split rule) sets the pace, and a step adds
-  ``pp - 1`` of its micro-batch times of fill and drain (GPipe's and 1F1B's bubble alike: they differ in memory);
-  the point-to-point traffic between stages is not modelled.
+  ``pp - 1`` of its micro-batch times of fill and drain (GPipe's and 1F1B's bubble alike: they differ in memory),
+  divided by ``pp_virtual`` (the interleaved schedule's shorter fill: each of a process's stages is that much
+  smaller); the point-to-point traffic between stages is not modelled.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def estimate_step_time(
     units = counts.stage_blocks(layout.pp) + 1
     exposed = max(dp - profile.comm_overlap * compute, dp / units) if dp else 0.0
     local = -(-counts.stage_local(layout.tp, layout.pp) // layout.dp_shard)
-    bubble = (layout.pp - 1) * (compute + tp)  # pp - 1 micro-batch times of fill and drain
+    bubble = (layout.pp - 1) * (compute + tp) / layout.pp_virtual  # pp - 1 micro-batch times of fill and drain
     return StepEstimate(
         compute=grad_accumulation * compute,
         tensor_parallel=grad_accumulation * tp,

@@ -120,8 +120,9 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         picker: Choose each world's layout, the first one included, with the layout picker
             (:class:`~lightning_emig.picker.policy.LayoutPicker`); ``layout`` is then ignored. None: each new world
             keeps the requested ``tp``/``pp``/``dp_replicate`` where they divide it, else pure FSDP.
-        pipeline_schedule: Under ``pp > 1``: ``"gpipe"`` or ``"1f1b"`` (1F1B needs at least ``pp`` micro-batches
-            per step); the strategy runs it (:mod:`lightning_emig.strategy.pipeline`).
+        pipeline_schedule: Under ``pp > 1``: ``"gpipe"``, ``"1f1b"`` (at least ``pp`` micro-batches per step) or
+            ``"interleaved_1f1b"`` (the one for ``pp_virtual > 1``: several stages a process; micro-batches per step
+            fewer than ``pp`` or a multiple of it); the strategy runs it (:mod:`lightning_emig.strategy.pipeline`).
     """
 
     def __init__(
@@ -278,7 +279,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         validate_layout_for_module(module, layout)
         if layout.pp > 1:
             plan = BatchPlan(self.global_batch_size, self.micro_batch_size, layout.dp)
-            check_schedule(self.pipeline_schedule, layout.pp, plan.grad_accumulation)
+            check_schedule(self.pipeline_schedule, layout.pp, plan.grad_accumulation, layout.pp_virtual)
 
     # ------------------------------------------------------------- lifecycle
     @override

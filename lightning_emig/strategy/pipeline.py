@@ -3,7 +3,8 @@
 Under ``pp > 1`` each process holds one stage of the model (``parallelize_model`` cut it; the stage records the
 whole model's split as ``pipeline_split``). Lightning calls the strategy's ``training_step`` once per micro-batch;
 :class:`PipelineDriver` keeps the step's micro-batches and, at the last one, runs the whole step through a
-``torch.distributed.pipelining`` schedule (GPipe or 1F1B): forward and backward of every micro-batch at once.
+``torch.distributed.pipelining`` schedule (GPipe, 1F1B, or interleaved 1F1B over the process's ``pp_virtual``
+stages): forward and backward of every micro-batch at once.
 
 How a user's own ``training_step`` takes part, unchanged (it calls its model once, e.g. ``self.model(inputs)``):
 
@@ -33,23 +34,33 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_emig.layout import PIPELINE_SCHEDULES, LayoutMesh, MeshAxis, least_micro_batches
+from lightning_emig.layout import (
+    MULTI_STAGE_SCHEDULES,
+    PIPELINE_SCHEDULES,
+    LayoutMesh,
+    MeshAxis,
+    micro_batches_problem,
+)
 from lightning_emig.migration.state import stage_modules
+from lightning_emig.parallelize.pipeline import stage_chunks
 
 
 class PipelineError(RuntimeError):
     """The module, its ``training_step`` or the batch plan cannot be run as a pipeline."""
 
 
-def check_schedule(name: str, pp: int, micro_batches: int) -> None:
-    """Refuse a schedule that cannot run ``micro_batches`` per step over ``pp`` stages (before anything is built)."""
+def check_schedule(name: str, pp: int, micro_batches: int, pp_virtual: int = 1) -> None:
+    """Refuse a schedule that cannot run ``micro_batches`` per step over ``pp`` processes holding ``pp_virtual``
+    stages each (before anything is built)."""
     if name not in PIPELINE_SCHEDULES:
         raise ValueError(f"pipeline_schedule must be one of {list(PIPELINE_SCHEDULES)}, got {name!r}")
-    if micro_batches < least_micro_batches(name, pp):
-        raise PipelineError(
-            f"the 1f1b schedule needs at least as many micro-batches per step as stages: {micro_batches} < pp={pp}; "
-            "raise global_batch_size, lower micro_batch_size, or use pipeline_schedule='gpipe'"
-        )
+    if pp_virtual > 1 and name not in MULTI_STAGE_SCHEDULES:
+        raise PipelineError(f"pp_virtual={pp_virtual} puts several stages on each process: the {name} schedule runs "
+                            f"one; use pipeline_schedule={MULTI_STAGE_SCHEDULES[0]!r} or pp_virtual=1")
+    problem = micro_batches_problem(name, pp, micro_batches)
+    if problem is not None:
+        raise PipelineError(f"{problem}; change global_batch_size or micro_batch_size, or use "
+                            "pipeline_schedule='gpipe'")
 
 
 def find_stage(module: nn.Module) -> tuple[nn.Module, str, nn.Module]:
@@ -110,23 +121,36 @@ class PipelineDriver:
 
     def __init__(self, module: nn.Module, layout_mesh: LayoutMesh, *, micro_batches: int, schedule: str,
                  training_step: Callable[..., Any], device: torch.device) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
 
-        pp = layout_mesh.layout.pp
-        check_schedule(schedule, pp, micro_batches)
+        pp, pp_virtual = layout_mesh.layout.pp, layout_mesh.layout.pp_virtual
+        check_schedule(schedule, pp, micro_batches, pp_virtual)
         self._parent, self._attribute, self.stage_module = find_stage(module)
         pp_mesh = layout_mesh[MeshAxis.PP]
         self._group = pp_mesh.get_group()
-        self.stage_index = pp_mesh.get_local_rank()
+        self.stage_index = pp_mesh.get_local_rank()  # this process's place on the pp axis
         self.num_stages = pp
         self.micro_batches = micro_batches
         self._device = device  # where collectives' tensors live (NCCL: the GPU)
         self._training_step = training_step
-        stage = PipelineStage(self.stage_module, self.stage_index, pp, device, group=self._group)
-        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+        chunks = stage_chunks(self.stage_module)
+        if len(chunks) != pp_virtual:
+            raise PipelineError(f"the model holds {len(chunks)} pipeline stages, the layout {pp_virtual} a process")
+        # Stage s of the pp x pp_virtual runs on process s % pp (the stage split's rule, shared with the geometry).
+        stages = [PipelineStage(chunk, self.stage_index + index * pp, pp * pp_virtual, device, group=self._group)
+                  for index, chunk in enumerate(chunks)]
         # scale_grads (default): gradients are divided by the number of micro-batches, as Lightning's accumulation
         # divides each micro-batch's loss.
-        self._schedule = kind(stage, n_microbatches=micro_batches, loss_fn=self._loss)
+        if schedule in MULTI_STAGE_SCHEDULES:
+            self._schedule = ScheduleInterleaved1F1B(stages, n_microbatches=micro_batches, loss_fn=self._loss)
+        else:
+            kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+            self._schedule = kind(stages[0], n_microbatches=micro_batches, loss_fn=self._loss)
         self._window: list[tuple[Any, ...]] = []
         self._inputs: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
         self._losses_computed = 0
