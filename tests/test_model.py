@@ -48,7 +48,7 @@ def test_config_is_keyword_only_and_frozen() -> None:
 
 
 def test_unknown_size_lists_valid_names() -> None:
-    with pytest.raises(ValueError, match="unknown model size 'llama_7b'; valid names: tiny, llama_25m"):
+    with pytest.raises(ValueError, match="unknown model size 'llama_7b'; valid names: tiny, tiny_deep, llama_25m"):
         get_model_config("llama_7b")
 
 
