@@ -245,16 +245,17 @@ class HybridLayout:
         import itertools
 
         shape = self.mesh_shape
-        strides = _strides(shape, self.rank_axes)
+        strides = rank_strides(shape, self.rank_axes)
         return [sum(c * s for c, s in zip(coord, strides, strict=True))
                 for coord in itertools.product(*(range(n) for n in shape))]
 
 
-def _strides(shape: Sequence[int], order: Sequence[int]) -> list[int]:
-    """Rank stride of every axis of ``shape`` when ranks run over the axes in ``order`` (slowest first)."""
+def rank_strides(shape: Sequence[int], order: Sequence[int] | None = None) -> list[int]:
+    """Rank stride of every axis of ``shape`` (how far the rank moves per step of that axis's coordinate) when ranks
+    run over the axes in ``order`` (indices, slowest first; ``None``: row-major)."""
     strides = [0] * len(shape)
     step = 1
-    for axis in reversed(order):
+    for axis in reversed(range(len(shape)) if order is None else order):
         strides[axis] = step
         step *= shape[axis]
     return strides

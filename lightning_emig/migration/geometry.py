@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+from lightning_emig.layout import rank_strides
 from lightning_emig.migration.boxes import (
     Coordinate,
     GeometryError,
@@ -284,7 +285,7 @@ class TensorSharding:
         # A rank is linear in the coordinate, so the replicas are the base rank plus every sum of replica-axis
         # strides: additions only, as a source of HSDP state has a replica per dp_replicate coordinate.
         ranks = [coordinate_to_rank(base, self.mesh_shape, self.rank_axes)]
-        strides = _rank_strides(self.mesh_shape, self.rank_axes)
+        strides = rank_strides(self.mesh_shape, self.rank_axes)
         for a in self._replica_axes:
             step = strides[a]
             ranks = list(itertools.chain.from_iterable(range(r, r + self.mesh_shape[a] * step, step) for r in ranks))
@@ -482,17 +483,6 @@ def rank_to_coordinate(rank: int, mesh_shape: Sequence[int], rank_axes: Sequence
     for a, v in zip(rank_axes, values, strict=True):
         coord[a] = v
     return tuple(coord)
-
-
-def _rank_strides(mesh_shape: Sequence[int], rank_axes: Sequence[int] | None) -> list[int]:
-    """How far the rank moves per step of each axis's coordinate."""
-    order = range(len(mesh_shape)) if rank_axes is None else rank_axes
-    strides = [0] * len(mesh_shape)
-    step = 1
-    for a in reversed(order):
-        strides[a] = step
-        step *= mesh_shape[a]
-    return strides
 
 
 def coordinate_to_rank(coordinate: Sequence[int], mesh_shape: Sequence[int],
