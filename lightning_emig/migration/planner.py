@@ -464,11 +464,20 @@ def _choose_senders(
     Rotating on the receiver's new rank spreads the receivers of one shard over its replicas; adding the tensor's
     index spreads the tensors one receiver needs.
     """
-    rotation = (receiver.new_rank or 0) + index
+    rotation = _rotation(receiver, index)
     n = len(candidates)
-    if n > 1 and fragment.numel * itemsize >= options.split_min_bytes:
+    if _is_split(fragment, itemsize, n, options):
         return [(part, candidates[(k + rotation) % n]) for k, part in enumerate(_split(fragment, n))]
     return [(fragment, candidates[rotation % n])]
+
+
+def _rotation(receiver: ProcessInfo, index: int) -> int:
+    return (receiver.new_rank or 0) + index
+
+
+def _is_split(fragment: ShardBox, itemsize: int, candidates: int, options: PlanOptions) -> bool:
+    """Whether a fragment is split over its candidates (else one of them sends it whole)."""
+    return candidates > 1 and fragment.numel * itemsize >= options.split_min_bytes
 
 
 def _share_of(
@@ -490,9 +499,9 @@ def _share_of(
     position = bisect.bisect_left(candidates, sender.old_rank, key=lambda p: p.old_rank)
     if position == len(candidates) or candidates[position].pid != sender.pid:
         return None
-    rotation = (receiver.new_rank or 0) + index
+    rotation = _rotation(receiver, index)
     n = len(candidates)
-    if n > 1 and fragment.numel * tensor.itemsize >= options.split_min_bytes:
+    if _is_split(fragment, tensor.itemsize, n, options):
         parts = _split(fragment, n)
         k = (position - rotation) % n  # part k goes to candidate (k + rotation) % n
         return parts[k] if k < len(parts) else None
