@@ -81,7 +81,14 @@ import torch.distributed.checkpoint as dcp
 from plot_migration import METHODS, plot, summary  # tools/, beside this script
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_emig.layout import HybridLayout, LayoutMesh, build_mesh, degrees_from_short
+from lightning_emig.layout import (
+    DEFAULT_RANK_ORDER,
+    SHORT_LETTERS,
+    HybridLayout,
+    LayoutMesh,
+    build_mesh,
+    degrees_from_short,
+)
 from lightning_emig.migration.engine import migrate
 from lightning_emig.migration.planner import IdentityMap
 from lightning_emig.migration.state import (
@@ -105,7 +112,7 @@ from lightning_emig.testing import memory
 from lightning_emig.testing.distributed import WorkerFailed, run_distributed
 
 DEFAULT_TRANSITIONS = "s4:t2s2,t2s2:r2s2,s4:s3,s3:s4,p2s2:s4,p2t2:p4"
-_RANK_AXES = {"r": "dp_replicate", "s": "dp_shard", "t": "tp", "p": "pp"}  # the rank order's letters
+_RANK_AXES = {letter: name for letter, name in SHORT_LETTERS.items() if name in DEFAULT_RANK_ORDER}
 _MASK = (1 << 24) - 1  # pattern values are multiples of 2**-24 in [-0.5, 0.5): exact in float32
 _MULT = 2654435761  # odd, so index -> index * _MULT is a bijection modulo 2**24
 

@@ -149,8 +149,6 @@ def batch_plans(problem: Problem, layout: HybridLayout) -> list[BatchPlan]:
     plans = [BatchPlan(problem.global_batch_size, micro, dp) for micro in problem.constraints.micro_batch_options()
              if problem.global_batch_size % (micro * dp) == 0]
     schedule = problem.constraints.pipeline_schedule
-    if layout.pp == 1:
-        return plans
     return [plan for plan in plans if micro_batches_problem(schedule, layout.pp, plan.grad_accumulation) is None]
 
 
