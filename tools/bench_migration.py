@@ -336,6 +336,7 @@ def _memory_run(ctx: Ctx) -> dict[str, Any]:
     (allocated, untouched) — measured as this process's peak RSS over its RSS just before."""
     if ctx.new is not None:
         _release(ctx.new)
+        memory.trim()  # or the new storage may land on the freed pages, resident already, and hide their cost
         _reallocate(ctx.new)
     old, new = _locals(ctx.old), _locals(ctx.new)
     facts = {

@@ -17,11 +17,13 @@ Invariants:
 * ranks are ranks *in* ``group`` (``group_peer``), so the union group may be any group, not only the default one;
 * a bucket may mix dtypes: boxes sit at arbitrary byte offsets of the flat buffer, never reinterpreted in place
   at an offset their dtype cannot be aligned to;
-* bounded memory of the state itself: a local copy runs in the round that last reads its source (while that round's
-  messages are on the wire), and old state is released (``on_release(key)``) right after the round that last reads
-  it, a tensor read only by local copies right after its own copies; new storage that is allocated but not yet
-  written costs no memory (untouched pages), so a process holds at most max(old, new) + one round's bytes + one
-  tensor's shard at any time;
+* bounded memory of the state itself: a local copy runs in the round that last reads its source, while that round's
+  messages are on the wire as far as the round's budget allows (its messages' bytes, the copies and the released
+  bytes not yet returned to the OS stay within ``bucket_bytes``), the rest once they landed; old state is released
+  (``on_release(key)``) right after the round that last reads it, a tensor read only by local copies (or by a
+  deferred copy) right after its own copies, and on the CPU released pages go back to the OS in lots; new storage
+  that is allocated but not yet written costs no memory (untouched pages), so a process holds at most
+  max(old, new) + ``bucket_bytes`` + one tensor's shard at any time;
 * with ``checksum=True`` each message carries a CRC32 of its bytes; a mismatch raises
   :class:`ChecksumMismatchError` once every round has run (so no peer is left waiting in a later round), and the
   received state must not be used.
@@ -276,47 +278,29 @@ def run_transfer(
     me = len(plan.peers)
     schedule = _schedule(plan, me, peer_counts, options.bucket_bytes)
     last_read = _last_round_reading(schedule, old, plan)
-    copies = _copies_by_round(plan, last_read)
-    release = on_release or (lambda key: None)
     device = _device_of(new, old)
     start = time.perf_counter()
     in_place = options.corrupt_in_transit is None and not options.checksum and device.type == "cpu"
     arenas = _arenas(schedule, old, new, device, in_place, options.in_place_min_bytes)
     # The arenas are the transfer's extra memory: at most the largest round's sends plus its receives.
     stats.peak_buffer_bytes = sum(arena.buffer.numel() for arena in arenas)
-
-    def copy_round(round_index: int) -> None:  # runs while the round's messages are on the wire
-        copy_start = time.perf_counter()
-        if round_index == 0:  # sources no round reads (copied locally, or not needed): copy, then free at once
-            for key in last_read.get(-1, ()):
-                stats.bytes_copied += local.run(_copy, copies.get(-1, {}).get(key, ()), old, new) or 0
-                local.run(release, key)
-        for transfers in copies.get(round_index, {}).values():
-            stats.bytes_copied += local.run(_copy, transfers, old, new) or 0
-        stats.seconds_copy += time.perf_counter() - copy_start
-
-    def free_host_memory(round_index: int, released: bool) -> None:
-        # Between rounds, pages of released shards go back to the OS before the next round's new ones come in (the
-        # bound on a change's peak). After the last round a trim cannot lower the peak: those pages stay in the heap
-        # for the next step, which would otherwise fault them in again.
-        if released and round_index < len(schedule) - 1 and device.type == "cpu":
-            return_freed_host_memory()
+    releases = _Releases(old, on_release, local, reclaim=on_release is not None and device.type == "cpu",
+                         bucket_bytes=options.bucket_bytes)
+    work = _LocalWork(plan, last_read, old, new, releases, stats, local)
 
     mismatch: ChecksumMismatchError | None = None
     if not schedule:
-        copy_round(0)
+        work.on_wire(0, slack=None)
     for round_index, (sends, recvs) in enumerate(schedule):
+        slack = releases.copy_slack(sends, recvs)
         # After a mismatch keep running the remaining rounds: peers post them regardless, and raising now would
         # leave them blocked until the process group times out. Nothing received is trusted after a mismatch.
         error = _run_round(
             round_index, sends, recvs, old, new, union_rank, group, options, device, stats, arenas, in_place, local,
-            while_on_wire=lambda i=round_index: copy_round(i),
+            while_on_wire=lambda i=round_index, room=slack: work.on_wire(i, room),
         )
         mismatch = mismatch or error
-        released = bool(last_read.get(round_index)) or (round_index == 0 and bool(last_read.get(-1)))
-        for key in last_read.get(round_index, ()):
-            local.run(release, key)
-        free_host_memory(round_index, released and on_release is not None)
+        work.after_wait(round_index, last=round_index == len(schedule) - 1)
     stats.rounds = len(schedule)
     stats.seconds_transfer = time.perf_counter() - start
     if local.error is not None:
@@ -324,6 +308,104 @@ def run_transfer(
     if mismatch is not None:
         raise mismatch
     return stats
+
+
+class _Releases:
+    """Old shards leave as soon as nothing reads them, and on the CPU their pages go back to the OS before the new
+    state's pages pile up on top of them (``reclaim``): the bound on a change's peak memory.
+
+    A model's shards are mostly a few MiB, below glibc's mmap threshold, so a freed one stays resident in the heap
+    until ``malloc_trim``. A trim costs a few ms, so released bytes are trimmed in lots of ``lot_bytes``; the lot is
+    taken out of what the round's local copies may write while its messages are on the wire (:meth:`copy_slack`).
+    """
+
+    def __init__(self, old: dict[str, torch.Tensor], on_release: Callable[[str], None] | None, local: _FirstError,
+                 *, reclaim: bool, bucket_bytes: int) -> None:
+        self.old = old
+        self.on_release = on_release or (lambda key: None)
+        self.local = local
+        self.reclaim = reclaim
+        self.bucket_bytes = bucket_bytes
+        self.lot_bytes = min(bucket_bytes // 8, 64 << 20)
+        self.pending = 0
+
+    def copy_slack(self, sends: dict[int, list[Transfer]], recvs: dict[int, list[Transfer]]) -> int | None:
+        """Bytes of local copies a round may write while its sources are still held (None: no limit, where old
+        state is not released or memory is not returned): the budget left by its messages and one lot."""
+        if not self.reclaim:
+            return None
+        on_wire = sum(t.nbytes for buckets in (sends, recvs) for bucket in buckets.values() for t in bucket)
+        return max(0, self.bucket_bytes - on_wire - self.lot_bytes)
+
+    def free(self, key: str, *, in_lots: bool = True) -> None:
+        """Release ``old[key]``; return the released pages once a lot has gathered (unless ``in_lots`` is false)."""
+        tensor = self.old[key]
+        self.local.run(self.on_release, key)
+        self.pending += tensor.numel() * tensor.element_size()
+        if in_lots and self.pending >= self.lot_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.reclaim and self.pending:
+            return_freed_host_memory()
+        self.pending = 0
+
+
+class _LocalWork:
+    """The local side of a transfer, round by round: copies of what stays on this process and the release of old
+    shards once nothing reads them.
+
+    A copy runs in the round that last reads its source: while the round's messages are on the wire as far as the
+    round's memory slack allows, the rest after the messages landed, each source freed right after its copy."""
+
+    def __init__(self, plan: RankPlan, last_read: dict[int, list[str]], old: dict[str, torch.Tensor],
+                 new: dict[str, torch.Tensor], releases: _Releases, stats: TransferStats, local: _FirstError) -> None:
+        self.last_read = last_read
+        self.copies = _copies_by_round(plan, last_read)
+        self.old, self.new = old, new
+        self.releases = releases
+        self.stats = stats
+        self.local = local
+        self.deferred: list[str] = []
+        """Keys of the current round whose copies wait until its messages landed."""
+
+    def _run_copies(self, transfers: Iterable[Transfer]) -> None:
+        started = time.perf_counter()
+        self.stats.bytes_copied += self.local.run(_copy, transfers, self.old, self.new) or 0
+        self.stats.seconds_copy += time.perf_counter() - started
+
+    def on_wire(self, round_index: int, slack: int | None) -> None:
+        """Copies while round ``round_index``'s messages travel, within ``slack`` bytes; the rest are deferred."""
+        if round_index == 0:  # sources no round reads (copied locally, or not needed): copy, then free at once
+            for key in self.last_read.get(-1, ()):
+                self._run_copies(self.copies.get(-1, {}).get(key, ()))
+                self.releases.free(key)
+        written = 0
+        for key, transfers in self.copies.get(round_index, {}).items():
+            size = sum(t.nbytes for t in transfers)
+            if slack is not None and written + size > slack:
+                self.deferred.append(key)
+                continue
+            self._run_copies(transfers)
+            written += size
+
+    def after_wait(self, round_index: int, *, last: bool) -> None:
+        """Free what the round read last, then run its deferred copies, each source freed after its copy.
+
+        After the last round nothing new comes in, so its releases stay in the heap for the next step (a trim
+        cannot lower a peak already reached, and the step would fault the pages in again)."""
+        deferred, self.deferred = self.deferred, []
+        waiting = set(deferred)
+        for key in self.last_read.get(round_index, ()):
+            if key not in waiting:
+                self.releases.free(key, in_lots=not last)
+        if deferred:
+            self.releases.flush()
+        for key in deferred:
+            self._run_copies(self.copies[round_index][key])
+            self.releases.free(key)
+        if not last:
+            self.releases.flush()
 
 
 class _FirstError:
