@@ -17,7 +17,7 @@
 4. transfer: local copies, then bucketed point-to-point rounds; old storage is released as it leaves. A local error
    on one process (a copy, a release) does not make it abandon the rounds its peers post: it runs them all and
    raises afterwards, so nobody waits for the group's timeout;
-5. agree on success: one all-gather of every process's error (and its byte counts, for the totals), so a checksum mismatch or any other error on one
+5. agree on success: one all-gather of every process's failure flag and byte counts (and, where one failed, a second of the errors' texts), so a checksum mismatch or any other error on one
    process fails every process promptly, naming the original error, and no process continues on state that
    another rejected.
 
@@ -74,6 +74,16 @@ def _broadcast_specs(
     return box[0]
 
 
+def _gather_ints(values: list[int], group: dist.ProcessGroup | None) -> list[list[int]]:
+    """Every process's ``values`` (the same count on each): one all-gather of a small int64 tensor, no pickling (an
+    object all-gather is two collectives and a pickle on each side: most of a tiny model's migration)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    return [g.tolist() for g in gathered]
+
+
 def _peer_counts(
     plan: RankPlan | None, identity: IdentityMap, group: dist.ProcessGroup | None, options: TransferOptions,
     specs_digest: int,
@@ -85,21 +95,20 @@ def _peer_counts(
     disagree (another bucket size, checksums on one side, another model) would post mismatched messages, so every
     process refuses before the first byte moves.
     """
-    gathered: list[tuple[int, tuple[int, bool, int], int] | None] = [None] * len(identity.pids)
-    mine = (options.bucket_bytes, options.checksum, options.in_place_min_bytes)
-    dist.all_gather_object(gathered, (-1 if plan is None else len(plan.peers), mine, specs_digest), group=group)
-    agreed = {g[1] for g in gathered if g is not None}
+    mine = (options.bucket_bytes, int(options.checksum), options.in_place_min_bytes)
+    gathered = _gather_ints([-1 if plan is None else len(plan.peers), *mine, specs_digest], group)
+    agreed = {(g[1], bool(g[2]), g[3]) for g in gathered}
     if len(agreed) > 1:
         raise MigrationFailedError(
             f"processes disagree on the transfer options (bucket_bytes, checksum, in_place_min_bytes): "
             f"{sorted(agreed)}; every process must use the same (no state was transferred or released)"
         )
-    if len({g[2] for g in gathered if g is not None}) > 1:
+    if len({g[4] for g in gathered}) > 1:
         raise MigrationFailedError(
             "processes disagree on the state's tensors (names, shapes, dtypes or placements): every process must "
             "build the same model and optimizer (no state was transferred or released)"
         )
-    counts = [g[0] if g is not None else -1 for g in gathered]
+    counts = [g[0] for g in gathered]
     if any(c < 0 for c in counts):
         return None
     return dict(zip(identity.pids, counts, strict=True))
@@ -108,20 +117,21 @@ def _peer_counts(
 def _agree_on_success(
     error: BaseException | None, stats: TransferStats, group: dist.ProcessGroup | None, pid: int
 ) -> tuple[int, int]:
-    """Every process learns whether the migration failed anywhere, and why, and the bytes every process received and
-    copied: one small all-gather. Returns the byte totals."""
-    gathered: list[tuple[str | None, int, int] | None] = [None] * dist.get_world_size(group)
-    mine = None if error is None else f"process {pid}: {type(error).__name__}: {str(error).splitlines()[0][:300]}"
-    dist.all_gather_object(gathered, (mine, stats.bytes_received, stats.bytes_copied), group=group)
-    if error is not None:
-        raise error
-    reports = [g for g in gathered if g is not None]
-    failed = [e for e, _, _ in reports if e is not None]
-    if failed:
+    """Every process learns whether the migration failed anywhere, and the bytes every process received and copied
+    (one small all-gather); where it failed, why (a second one, of the errors' texts). Returns the byte totals."""
+    gathered = _gather_ints([int(error is not None), stats.bytes_received, stats.bytes_copied], group)
+    failed_anywhere = any(failed for failed, _, _ in gathered)
+    if failed_anywhere:
+        texts: list[str | None] = [None] * dist.get_world_size(group)
+        mine = None if error is None else f"process {pid}: {type(error).__name__}: {str(error).splitlines()[0][:300]}"
+        dist.all_gather_object(texts, mine, group=group)
+        if error is not None:
+            raise error
+        failed = [t for t in texts if t is not None]
         raise MigrationFailedError(
             f"migration failed on another process ({'; '.join(failed[:3])}); the new state was not accepted"
         )
-    return sum(r for _, r, _ in reports), sum(c for _, _, c in reports)
+    return sum(r for _, r, _ in gathered), sum(c for _, _, c in gathered)
 
 
 def migrate(
