@@ -3,9 +3,10 @@
 ``migrate`` is the single entry point, for a layout change on the same processes and for a world change
 (processes that only send, processes that only receive). Every process of ``group`` calls it:
 
-1. agree on what moves: where a process has no old or no new state (a joiner, a leaver) the old specs come from
-   the lowest live old rank and the new specs from new rank 0 (one small broadcast each); where every process holds
-   both (a layout change on the same processes) each uses its own and the next all-gather checks they agree;
+1. agree on what moves: where a process has no old state (a joiner) the old specs come from the lowest live old
+   rank, where one has no new state (a leaver) the new specs from new rank 0 (one broadcast each); a side every
+   process holds (both, in a layout change on the same processes) is each process's own, and the next all-gather
+   checks they agree;
 2. plan locally (no communication: every process derives the same plan); plans are cached per (specs, layouts,
    identity, process, options), so a change seen before (a layout switched back and forth, a benchmark's repeats)
    pays no planning;
@@ -17,9 +18,9 @@
 4. transfer: local copies, then bucketed point-to-point rounds; old storage is released as it leaves. A local error
    on one process (a copy, a release) does not make it abandon the rounds its peers post: it runs them all and
    raises afterwards, so nobody waits for the group's timeout;
-5. agree on success: one all-gather of every process's failure flag and byte counts (and, where one failed, a second of the errors' texts), so a checksum mismatch or any other error on one
-   process fails every process promptly, naming the original error, and no process continues on state that
-   another rejected.
+5. agree on success: one all-gather of every process's failure flag and byte counts (and, where one failed, a
+   second of the errors' texts), so a checksum mismatch or any other error on one process fails every process
+   promptly, naming the original error, and no process continues on state that another rejected.
 
 Ranks passed to torch are ranks *in* ``group`` (``IdentityMap.union_rank``), so ``group`` may be the default group
 or any group whose ranks are the union's processes ordered by pid.
@@ -205,14 +206,24 @@ def migrate(
 def union_specs(specs: dict[str, ShardingSpec] | None, group: dist.ProcessGroup | None) -> dict[str, ShardingSpec]:
     """Every process's specs, merged (a key two processes hold must have the same spec on both); a collective of
     ``group``."""
-    gathered: list[dict[str, ShardingSpec] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, specs, group=group)
-    union: dict[str, ShardingSpec] = {}
-    for part in gathered:
-        for key, spec in (part or {}).items():
-            if union.setdefault(key, spec) != spec:
-                raise ValueError(f"{key}: processes disagree on its sharding ({union[key]} vs {spec})")
-    return dict(sorted(union.items()))
+    return _union_of_sides([specs], group)[0]
+
+
+def _union_of_sides(
+    sides: list[dict[str, ShardingSpec] | None], group: dist.ProcessGroup | None
+) -> list[dict[str, ShardingSpec]]:
+    """:func:`union_specs` of several sides (old, new) in one all-gather."""
+    gathered: list[list[dict[str, ShardingSpec] | None] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, sides, group=group)
+    unions: list[dict[str, ShardingSpec]] = []
+    for index in range(len(sides)):
+        union: dict[str, ShardingSpec] = {}
+        for parts in gathered:
+            for key, spec in ((parts or [None] * len(sides))[index] or {}).items():
+                if union.setdefault(key, spec) != spec:
+                    raise ValueError(f"{key}: processes disagree on its sharding ({union[key]} vs {spec})")
+        unions.append(dict(sorted(union.items())))
+    return unions
 
 
 def _agreed_specs(
@@ -220,18 +231,21 @@ def _agreed_specs(
     group: dist.ProcessGroup | None, old_layout: HybridLayout, new_layout: HybridLayout,
 ) -> tuple[dict[str, ShardingSpec], dict[str, ShardingSpec]]:
     """The old and new specs every process plans from: the union over every process's where a layout has pipeline
-    stages (each stage holds its own tensors only); else its own where every process holds both sides (checked by
-    digest in the next all-gather), else broadcast from a process that holds them."""
+    stages (each stage holds its own tensors only; both sides in one all-gather); else a side every process holds
+    is its own (checked by digest in the next all-gather), and a side some process lacks (a joiner's old, a
+    leaver's new) is broadcast from a process that holds it."""
     old_specs = {k: t.spec for k, t in old_state.items()} if old_state else None
     new_specs = {k: t.spec for k, t in new_state.items()} if new_state else None
     if old_layout.pp > 1 or new_layout.pp > 1:
-        return union_specs(old_specs, group), union_specs(new_specs, group)
-    if all(p.old_rank is not None and p.new_rank is not None for p in identity.processes):
-        assert old_specs is not None and new_specs is not None
-        return old_specs, new_specs
-    old_src = identity.union_rank(min(p.pid for p in identity.processes if p.old_rank is not None))
-    new_src = identity.union_rank(identity.by_new_rank(0).pid)
-    return _broadcast_specs(old_specs, old_src, group), _broadcast_specs(new_specs, new_src, group)
+        old_union, new_union = _union_of_sides([old_specs, new_specs], group)
+        return old_union, new_union
+    if any(p.old_rank is None for p in identity.processes):
+        old_src = identity.union_rank(min(p.pid for p in identity.processes if p.old_rank is not None))
+        old_specs = _broadcast_specs(old_specs, old_src, group)
+    if any(p.new_rank is None for p in identity.processes):
+        new_specs = _broadcast_specs(new_specs, identity.union_rank(identity.by_new_rank(0).pid), group)
+    assert old_specs is not None and new_specs is not None
+    return old_specs, new_specs
 
 
 def _digest(old_specs: dict[str, ShardingSpec], new_specs: dict[str, ShardingSpec]) -> int:
