@@ -51,6 +51,7 @@ from lightning_emig.testing.held_train import (
     ENV_DIE_AFTER_JOIN,
     ENV_DIE_BEFORE_JOIN,
     ENV_HOLD_ADMISSION_UNTIL_GENERATION,
+    ENV_HOLD_BEFORE_DONE,
     ENV_HOLD_LEAVING_EXIT,
     ENV_HOLD_STEPS_FOR_JOINERS,
     ENV_HOLD_TRAINING_UNTIL_GENERATION,
@@ -371,5 +372,36 @@ def test_a_joiner_that_dies_right_after_the_state_moved_is_a_failure_after_a_joi
     failure = events[1]
     declared = set(range(failure["step"], failure["step"] + (failure.get("steps_rolled_back") or 0) + 1))
     assert set(report.rolled_back_steps) <= declared, (report.describe(), events)
+    worst = worst_loss_gap(nodes.tmp_path, TRAIN, summary["step_losses"])
+    assert worst < REL_TOL, f"loss curve departs from the reference by {worst:.2e} (relative)"
+
+
+# --- 6. a node that joins in the last steps ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_node_that_joins_as_training_ends_leaves_and_nobody_waits_for_it(tmp_path: Path) -> None:
+    """A trains alone to the end; B joins after A's last membership check, before A's worker exits (A announces the
+    end only once B's worker runs). B's worker must not wait to be admitted into a job that is over (it once did,
+    for the holders' patience, and then failed, while A's agent waited for B's at the exit barrier): it leaves with
+    exit 0, both agents exit 0, and the run is A's alone, every sample once."""
+    nodes = Nodes(tmp_path, rdzv_id="joins-at-the-end", module="lightning_emig.testing.held_train")
+    try:
+        nodes.start("a", env={ENV_HOLD_BEFORE_DONE: str(tmp_path)})
+        nodes.wait_for_log("a", "test hold: training over", 180, "A never finished training")
+        a_workers = nodes.workers("a")
+        nodes.start("b")
+        nodes.wait_for_log("b", "waits for admission", 120, "B's worker never got ready")
+        (tmp_path / "release-done").touch()
+        nodes.finish(120)
+    finally:
+        nodes.close()
+    assert "finished training before this worker was admitted" in nodes.log("b"), nodes.log("b")
+    summary = json.loads((nodes.run_dir / "summary.json").read_text())
+    assert summary["pid"] in a_workers and summary["world_size"] == 1
+    assert read_events(nodes.run_dir) == [], "B was never part of the training"
+    check_ledger(nodes.run_dir).assert_exactly_once()
     worst = worst_loss_gap(nodes.tmp_path, TRAIN, summary["step_losses"])
     assert worst < REL_TOL, f"loss curve departs from the reference by {worst:.2e} (relative)"

@@ -90,6 +90,9 @@ LEFT_OUT_EXIT_CODE = 75
 """A joiner's exit code when the state holders went on without it (``EX_TEMPFAIL``): its agent brings a fresh worker
 back in through a new round; no restart is spent (see :mod:`lightning_emig.membership.admission`)."""
 GENERATION_COUNTER_KEY = "generation_counter"
+TRAINING_DONE_KEY = "training_done"
+"""Set by the holders' rank 0 once training reached its end: a joiner still waiting to be admitted then exits 0
+(nothing is left to train; its agent goes to the exit barrier with the others instead of waiting for it)."""
 FORMAT_VERSION = 1
 
 

@@ -28,6 +28,9 @@ The rules:
   to a generation at or past the one it was started into without it, it is *left out*: it exits with
   :data:`LEFT_OUT_EXIT_CODE`, and its agent brings a fresh worker back in through a new rendezvous round (not a
   failure: no restart is spent, nothing is marked dead);
+* a joiner still waiting when the holders' training has ended (its node joined in the last steps) exits 0
+  (:class:`TrainingDoneError`): nothing is left to train, and its agent must reach the exit barrier the others
+  wait at; the holders' rank 0 announces the end (:func:`announce_training_done`) once its last fit returned;
 * a generation with a joiner that died while starting (its agent's heartbeat stopped, or its agent marked it dead)
   can never form, and no agent publishes another unless a node joins: the holders publish their own — themselves and
   the joiners that are ready (:func:`generation_to_join`) — and go into it.
@@ -47,6 +50,7 @@ from lightning_emig.host_memory import available_bytes, peak_resident_bytes, res
 from lightning_emig.launcher.generation import (
     ACTIVE_GENERATION_KEY,
     LEFT_OUT_EXIT_CODE,
+    TRAINING_DONE_KEY,
     WORKING_SET_KEY,
     GenerationError,
     GenerationInfo,
@@ -71,6 +75,22 @@ class LeftOutError(SystemExit):
 
     def __init__(self) -> None:
         super().__init__(LEFT_OUT_EXIT_CODE)
+
+
+class TrainingDoneError(SystemExit):
+    """The holders finished training before this joiner was admitted: the process exits 0 (see the module)."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+
+
+def announce_training_done(client: dist.Store, generation: int) -> None:
+    """The holders' rank 0, once its last fit returned: joiners still waiting for admission leave (exit 0)."""
+    client.set(TRAINING_DONE_KEY, str(generation))
+
+
+def training_done(client: dist.Store) -> bool:
+    return client.check([TRAINING_DONE_KEY])
 
 
 def _joining_workers(info: GenerationInfo, holders: GenerationInfo) -> dict[str, list[tuple[str, int]]]:
@@ -188,6 +208,7 @@ def await_admission(client: dist.Store, node_id: str, local_rank: int, *, starte
     """A joiner whose start-up is done: announce it, then wait for the generation to form (see the module
     docstring). Raises :class:`LeftOutError` when the holders went on without this worker."""
     client.set(ready_key(node_id, local_rank), str(started_in))
+    log.info("start-up done (started into generation %d): this worker waits for admission", started_in)
     deadline = time.monotonic() + timeout_s
     while True:
         active = active_generation(client)
@@ -202,6 +223,11 @@ def await_admission(client: dist.Store, node_id: str, local_rank: int, *, starte
                       "leaving, so that this node's agent brings it back in through a new round", active, started_in)
             client.delete_key(ready_key(node_id, local_rank))
             raise LeftOutError
+        if training_done(client):  # checked after the generations: holders that admitted this worker wait for it
+            log.warning("the workers holding the state finished training before this worker was admitted (started "
+                        "into generation %d): nothing left to train, leaving (exit 0)", started_in)
+            client.delete_key(ready_key(node_id, local_rank))
+            raise TrainingDoneError
         if time.monotonic() > deadline:
             raise GenerationError(
                 f"started into generation {started_in}, ready, and no generation including this worker was formed "

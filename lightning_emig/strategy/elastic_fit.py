@@ -49,10 +49,10 @@ from lightning_emig.launcher.generation import (
     control_client_from_env,
     read_generation,
 )
-from lightning_emig.membership.admission import LeftOutError
+from lightning_emig.membership.admission import LeftOutError, announce_training_done
 from lightning_emig.membership.below_min import wait_for_enough_nodes
 from lightning_emig.membership.failure import Rollback, is_peer_failure, recover_from_failure
-from lightning_emig.membership.group import enter_generation, joining_live
+from lightning_emig.membership.group import enter_generation, joining_live, under_launcher
 from lightning_emig.membership.handoff import LIVE_CHECKPOINT, LiveHandoff
 from lightning_emig.strategy.reconfigure import drop_model
 from lightning_emig.strategy.resume import newest_checkpoint
@@ -111,9 +111,20 @@ class ElasticFitLauncher(_Launcher):
         while True:
             next_checkpoint = self._fit_once(function, call, trainer)
             if next_checkpoint is DONE:
+                self._announce_done()
                 return None
             call.arguments["ckpt_path"] = next_checkpoint
             _prepare_trainer_for_next_fit(trainer)
+
+    def _announce_done(self) -> None:
+        """Training ended: a node that joined in its last steps and still waits for admission leaves (exit 0), so
+        its agent reaches the exit barrier instead of making every other agent wait there for it."""
+        if self._strategy.global_rank != 0 or not under_launcher():
+            return
+        try:
+            announce_training_done(control_client_from_env(timeout_s=10.0), self._strategy.generation)
+        except Exception:  # noqa: BLE001 - training is done: a store gone at the very end must not fail the worker
+            log.warning("could not announce the end of training in the control store", exc_info=True)
 
     def _fit_once(self, function: Callable[..., Any], call: inspect.BoundArguments, trainer: pl.Trainer
                   ) -> str | None | _Done:

@@ -17,6 +17,9 @@ race of two membership events in end-to-end tests, so a test hits it on any mach
 * ``LIGHTNING_EMIG_TEST_HOLD_ADMISSION_UNTIL_GENERATION=N``: a worker started into a live generation announces itself
   ready (and waits for admission) only once generation ``N`` or a newer one is published: a joiner still starting
   up while the next round or a drain happens, on any machine.
+* ``LIGHTNING_EMIG_TEST_HOLD_BEFORE_DONE=D``: once training is over, the holders' rank 0 announces it only when the
+  test creates ``D/release-done`` (logging ``test hold: training over``): a node joins after the holders' last
+  membership check and before their workers exit, on any machine.
 * ``LIGHTNING_EMIG_TEST_HOLD_TRAINING_UNTIL_GENERATION=N``: while the world is one process and runs in a generation
   before ``N``, rank 0's membership check waits until generation ``N`` is published and its joining workers are ready
   (a short run cannot end before a sequence of rounds has played out).
@@ -46,6 +49,7 @@ ENV_HOLD_UNTIL_GENERATION = "LIGHTNING_EMIG_TEST_HOLD_UNTIL_GENERATION"
 ENV_HOLD_LEAVING_EXIT = "LIGHTNING_EMIG_TEST_HOLD_LEAVING_EXIT"
 ENV_HOLD_STEPS_FOR_JOINERS = "LIGHTNING_EMIG_TEST_HOLD_STEPS_FOR_JOINERS"
 ENV_HOLD_ADMISSION_UNTIL_GENERATION = "LIGHTNING_EMIG_TEST_HOLD_ADMISSION_UNTIL_GENERATION"
+ENV_HOLD_BEFORE_DONE = "LIGHTNING_EMIG_TEST_HOLD_BEFORE_DONE"
 ENV_HOLD_TRAINING_UNTIL_GENERATION = "LIGHTNING_EMIG_TEST_HOLD_TRAINING_UNTIL_GENERATION"
 HOLD_TIMEOUT_S = 120.0
 
@@ -106,6 +110,25 @@ def hold_admission(until_generation: int, timeout_s: float = HOLD_TIMEOUT_S) -> 
         return await_admission(*args, **kwargs)
 
     elastic.await_admission = held_await_admission
+
+
+def hold_before_done(release_dir: str, timeout_s: float = HOLD_TIMEOUT_S) -> None:
+    """The end of training is announced only once ``release_dir/release-done`` exists (see the module docstring)."""
+    from pathlib import Path
+
+    from lightning_emig.strategy.elastic_fit import ElasticFitLauncher
+
+    announce = ElasticFitLauncher._announce_done  # noqa: SLF001 - the seam this hold pins
+
+    def held_announce(self: Any) -> None:
+        release = Path(release_dir) / "release-done"
+        log.warning("test hold: training over, the end is announced once %s exists", release)
+        deadline = time.monotonic() + timeout_s
+        while not release.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        announce(self)
+
+    ElasticFitLauncher._announce_done = held_announce  # type: ignore[method-assign]  # noqa: SLF001
 
 
 _handed_to: list[int] = []
@@ -237,6 +260,8 @@ def main() -> None:
     admission = os.environ.get(ENV_HOLD_ADMISSION_UNTIL_GENERATION)
     if admission:
         hold_admission(int(admission))
+    if os.environ.get(ENV_HOLD_BEFORE_DONE):
+        hold_before_done(os.environ[ENV_HOLD_BEFORE_DONE])
     training_until = os.environ.get(ENV_HOLD_TRAINING_UNTIL_GENERATION)
     if training_until:
         hold_training_until(int(training_until))
