@@ -61,11 +61,20 @@ from lightning_emig.testing.ledger import check_ledger
 from lightning_emig.testing.nodes import log_tail, start_node, stop_agents, wait_for, worst_loss_gap
 from lightning_emig.training.step_times import read_step_times
 
-MAX_STEPS = 200
+TIMED_STEPS = 200
+"""A run whose events follow a node's start-up, not a hold: training must outlast it on a slow machine."""
+HELD_STEPS = 60
+"""A run whose events the holds of :mod:`lightning_emig.testing.held_train` pin to its first steps: what follows
+them only has to reach a periodic checkpoint (steps on a world of three cost about 0.27 s on two cores)."""
 CHECKPOINT_EVERY = 50
-TRAIN = ["data=synthetic", "model=tiny", f"trainer.max_steps={MAX_STEPS}", "trainer.global_batch_size=12",
-         "trainer.micro_batch_size=2", "trainer.progress_bar=false", "trainer.pg_timeout_s=30", "data.ledger=true",
-         f"trainer.checkpoint_every_n_steps={CHECKPOINT_EVERY}"]
+
+
+def _train(max_steps: int) -> list[str]:
+    return ["data=synthetic", "model=tiny", f"trainer.max_steps={max_steps}", "trainer.global_batch_size=12",
+            "trainer.micro_batch_size=2", "trainer.progress_bar=false", "trainer.pg_timeout_s=30", "data.ledger=true",
+            f"trainer.checkpoint_every_n_steps={CHECKPOINT_EVERY}"]
+
+
 REL_TOL = 1e-4
 ADDRESSES = {"a": "127.0.0.2", "b": "127.0.0.3", "c": "127.0.0.4"}
 
@@ -73,9 +82,10 @@ ADDRESSES = {"a": "127.0.0.2", "b": "127.0.0.3", "c": "127.0.0.4"}
 class Nodes:
     """The simulated nodes of one job, and every process their agents started (watched until they are gone)."""
 
-    def __init__(self, tmp_path: Path, *, rdzv_id: str, module: str = "lightning_emig.train",
+    def __init__(self, tmp_path: Path, *, rdzv_id: str, max_steps: int, module: str = "lightning_emig.train",
                  env: dict[str, str] | None = None) -> None:
         self.tmp_path, self.run_dir = tmp_path, tmp_path / "run"
+        self.max_steps, self.train = max_steps, _train(max_steps)
         self.port, self.rdzv_id, self.module, self.env = free_port(), rdzv_id, module, env or {}
         self.agents: dict[str, subprocess.Popen] = {}
         self.started: dict[str, set[int]] = {}
@@ -87,7 +97,7 @@ class Nodes:
     def start(self, name: str, env: dict[str, str] | None = None, *, max_restarts: int = 0) -> subprocess.Popen:
         self.agents[name] = start_node(
             self.tmp_path, name, local_addr=ADDRESSES[name], port=self.port, run_dir=self.run_dir,
-            train_args=TRAIN, nnodes="1:3", rdzv_id=self.rdzv_id, rdzv_conf=f"is_host={str(name == 'a').lower()}",
+            train_args=self.train, nnodes="1:3", rdzv_id=self.rdzv_id, rdzv_conf=f"is_host={str(name == 'a').lower()}",
             env={"LIGHTNING_EMIG_GRACE_S": "180", **self.env, **(env or {})}, module=self.module,
             max_restarts=max_restarts,
         )
@@ -171,8 +181,8 @@ def _check_run(nodes: Nodes, a_workers: list[int], *, final_world: int) -> tuple
     assert set(report.dp_degrees.values()) == set(degrees), (report.describe(), events)
 
     losses = summary["step_losses"]
-    assert sorted(int(k) for k in losses) == list(range(MAX_STEPS))
-    worst = worst_loss_gap(nodes.tmp_path, TRAIN, losses)
+    assert sorted(int(k) for k in losses) == list(range(nodes.max_steps))
+    worst = worst_loss_gap(nodes.tmp_path, nodes.train, losses)
     assert worst < REL_TOL, f"loss curve departs from the reference by {worst:.2e} (relative)"
     print(f"\n{[(e['kind'], e['old_world'], e['new_world'], e['step']) for e in events]}; worst relative loss gap "
           f"{worst:.1e}; ledger: {report.describe()}")
@@ -189,7 +199,8 @@ def _check_run(nodes: Nodes, a_workers: list[int], *, final_world: int) -> tuple
 def test_a_join_and_a_preemption_in_quick_succession(tmp_path: Path, notice: str) -> None:
     started = time.monotonic()
     # as_c_starts: a preempted worker's teardown takes a moment; B's worker exits once C's generation is published.
-    nodes = Nodes(tmp_path, rdzv_id="succession", module="lightning_emig.testing.held_train",
+    nodes = Nodes(tmp_path, rdzv_id="succession", max_steps=TIMED_STEPS,
+                  module="lightning_emig.testing.held_train",
                   env={ENV_HOLD_LEAVING_EXIT: "1"} if notice == "as_c_starts" else {})
     try:
         a_workers = _join_and_preempt(nodes, notice)
@@ -233,8 +244,10 @@ def _join_and_preempt(nodes: Nodes, notice: str) -> list[int]:
 def test_a_join_while_a_migration_is_running(tmp_path: Path) -> None:
     started = time.monotonic()
     # Every live migration waits until generation 2 (C's) exists: the one into generation 1 (B's) is running then.
-    nodes = Nodes(tmp_path, rdzv_id="join-in-migration", module="lightning_emig.testing.held_train",
-                  env={ENV_HOLD_UNTIL_GENERATION: "2"})
+    # A short run: A's training waits for B's generation (it would otherwise end before B's worker started).
+    nodes = Nodes(tmp_path, rdzv_id="join-in-migration", max_steps=HELD_STEPS,
+                  module="lightning_emig.testing.held_train",
+                  env={ENV_HOLD_UNTIL_GENERATION: "2", ENV_HOLD_TRAINING_UNTIL_GENERATION: "1"})
     try:
         nodes.start("a")
         nodes.wait_for_log("a", "generation 0: world 1", 60, "A did not start")
@@ -251,14 +264,15 @@ def test_a_join_while_a_migration_is_running(tmp_path: Path) -> None:
     assert held, f"A's migration into generation 1 was not running when generation 2 appeared:\n{nodes.logs()}"
     events, _ = _check_run(nodes, a_workers, final_world=3)
     # Periodic checkpoints keep working on the uneven world the joins made (3 ranks: shards of 86, 86, 84 rows).
-    due = range(CHECKPOINT_EVERY * (events[-1]["step"] // CHECKPOINT_EVERY + 1), MAX_STEPS + 1, CHECKPOINT_EVERY)
+    due = range(CHECKPOINT_EVERY * (events[-1]["step"] // CHECKPOINT_EVERY + 1), nodes.max_steps + 1,
+                CHECKPOINT_EVERY)
     assert due, "no periodic checkpoint fell after the join into three"
     for step in due:
         assert is_complete(nodes.run_dir / "checkpoints" / f"step{step:06d}.ckpt"), f"checkpoint of step {step}"
     assert not any("CHECKPOINT FAILED" in nodes.log(name) for name in nodes.agents), nodes.logs()
     assert [(e["kind"], e["old_world"], e["new_world"], e["generation"]) for e in events] == [
         ("join", 1, 2, 1), ("join", 2, 3, 2)], events
-    assert events[1]["step"] < MAX_STEPS - 1, "C joined too late to train on the world of three"
+    assert events[1]["step"] < nodes.max_steps - 1, "C joined too late to train on the world of three"
     print(f"join during a migration: {held[0].split('test hold: ')[-1]}; {time.monotonic() - started:.0f}s")
 
 
@@ -272,7 +286,8 @@ def test_a_second_join_while_the_first_joiner_is_still_starting(tmp_path: Path) 
     """A trains alone; B joins (generation 1) and its worker is still starting when C joins (generation 2, which
     lists B's worker as kept). A waits for both and goes from one process to three in one change; B's worker forms
     generation 2, not the generation 1 nobody forms, and is never restarted."""
-    nodes = Nodes(tmp_path, rdzv_id="overlapping-joins", module="lightning_emig.testing.held_train",
+    nodes = Nodes(tmp_path, rdzv_id="overlapping-joins", max_steps=HELD_STEPS,
+                  module="lightning_emig.testing.held_train",
                   env={ENV_HOLD_TRAINING_UNTIL_GENERATION: "2"})
     try:
         nodes.start("a")
@@ -297,7 +312,8 @@ def test_a_joiner_left_out_by_a_drain_comes_back_through_a_new_round(tmp_path: P
     """A and B train as two; C joins (generation 1) and is still starting when B is preempted: the drain does not wait
     for C (B's grace period runs), A goes on alone in generation 2, and C's worker, left out, exits; its agent brings
     a fresh one in (generation 3) without spending a restart (``--max-restarts=0``)."""
-    nodes = Nodes(tmp_path, rdzv_id="left-out", module="lightning_emig.testing.held_train",
+    nodes = Nodes(tmp_path, rdzv_id="left-out", max_steps=TIMED_STEPS,
+                  module="lightning_emig.testing.held_train",
                   env={ENV_HOLD_TRAINING_UNTIL_GENERATION: "3"})
     try:
         nodes.start("a")
@@ -323,7 +339,8 @@ def test_a_joiner_left_out_by_a_drain_comes_back_through_a_new_round(tmp_path: P
 def _join_with_a_dying_worker(tmp_path: Path, die: str, *, rdzv_id: str) -> tuple[Nodes, list[int]]:
     """A trains alone; B joins with ``die`` set (its first worker dies in its live join; ``--max-restarts=1`` brings
     another). Every agent exits 0, nothing is left behind; the nodes and A's workers."""
-    nodes = Nodes(tmp_path, rdzv_id=rdzv_id, module="lightning_emig.testing.held_train",
+    nodes = Nodes(tmp_path, rdzv_id=rdzv_id, max_steps=HELD_STEPS,
+                  module="lightning_emig.testing.held_train",
                   env={ENV_HOLD_TRAINING_UNTIL_GENERATION: "1", ENV_HOLD_STEPS_FOR_JOINERS: "1"})
     try:
         nodes.start("a")
@@ -372,7 +389,7 @@ def test_a_joiner_that_dies_right_after_the_state_moved_is_a_failure_after_a_joi
     failure = events[1]
     declared = set(range(failure["step"], failure["step"] + (failure.get("steps_rolled_back") or 0) + 1))
     assert set(report.rolled_back_steps) <= declared, (report.describe(), events)
-    worst = worst_loss_gap(nodes.tmp_path, TRAIN, summary["step_losses"])
+    worst = worst_loss_gap(nodes.tmp_path, nodes.train, summary["step_losses"])
     assert worst < REL_TOL, f"loss curve departs from the reference by {worst:.2e} (relative)"
 
 
@@ -387,7 +404,8 @@ def test_a_node_that_joins_as_training_ends_leaves_and_nobody_waits_for_it(tmp_p
     end only once B's worker runs). B's worker must not wait to be admitted into a job that is over (it once did,
     for the holders' patience, and then failed, while A's agent waited for B's at the exit barrier): it leaves with
     exit 0, both agents exit 0, and the run is A's alone, every sample once."""
-    nodes = Nodes(tmp_path, rdzv_id="joins-at-the-end", module="lightning_emig.testing.held_train")
+    nodes = Nodes(tmp_path, rdzv_id="joins-at-the-end", max_steps=HELD_STEPS,
+                  module="lightning_emig.testing.held_train")
     try:
         nodes.start("a", env={ENV_HOLD_BEFORE_DONE: str(tmp_path)})
         nodes.wait_for_log("a", "test hold: training over", 180, "A never finished training")
@@ -403,5 +421,5 @@ def test_a_node_that_joins_as_training_ends_leaves_and_nobody_waits_for_it(tmp_p
     assert summary["pid"] in a_workers and summary["world_size"] == 1
     assert read_events(nodes.run_dir) == [], "B was never part of the training"
     check_ledger(nodes.run_dir).assert_exactly_once()
-    worst = worst_loss_gap(nodes.tmp_path, TRAIN, summary["step_losses"])
+    worst = worst_loss_gap(nodes.tmp_path, nodes.train, summary["step_losses"])
     assert worst < REL_TOL, f"loss curve departs from the reference by {worst:.2e} (relative)"

@@ -105,19 +105,29 @@ def test_two_stages_train_like_fsdp(tmp_path: Path, reference_2: dict[str, Any],
     _assert_same_training(results, reference_2)
 
 
+def _train_each(rank: int, world: int, root: str, runs: list[tuple[dict[str, int], str]], steps: int, size: str
+                ) -> list[dict[str, Any]]:
+    """:func:`_train` for each (layout, schedule) in turn, in the same processes: one start-up (about 10 s of imports
+    and a process group a run on two cores) for all of them."""
+    return [_train(rank, world, str(Path(root) / str(i)), layout, schedule, None, steps, None, size)
+            for i, (layout, schedule) in enumerate(runs)]
+
+
 @pytest.mark.timeout(600)
 def test_stages_with_fsdp_tp_and_replicas_inside_train_like_fsdp(tmp_path: Path) -> None:
     """pp=2 with FSDP2, TP or replicas inside (1F1B), and two stages a process (pp_virtual=2: 4 blocks over 2
     processes) with FSDP2 or TP inside under the interleaved 1F1B schedule (4 micro-batches: 2 rounds of pp)."""
-    reference = run_distributed(_train, 4, str(tmp_path / "ref"), {"dp_shard": 4}, "gpipe", None, STEPS, None,
-                                "tiny_deep", timeout_s=200)[0]
-    for layout, schedule in (({"dp_shard": 2, "pp": 2}, "1f1b"), ({"dp_shard": 1, "tp": 2, "pp": 2}, "1f1b"),
-                             ({"dp_replicate": 2, "dp_shard": 1, "pp": 2}, "1f1b"),
-                             ({"dp_shard": 2, "pp": 2, "pp_virtual": 2}, "interleaved_1f1b"),
-                             ({"dp_shard": 1, "tp": 2, "pp": 2, "pp_virtual": 2}, "interleaved_1f1b")):
+    runs = [({"dp_shard": 4}, "gpipe"),  # the reference
+            ({"dp_shard": 2, "pp": 2}, "1f1b"), ({"dp_shard": 1, "tp": 2, "pp": 2}, "1f1b"),
+            ({"dp_replicate": 2, "dp_shard": 1, "pp": 2}, "1f1b"),
+            ({"dp_shard": 2, "pp": 2, "pp_virtual": 2}, "interleaved_1f1b"),
+            ({"dp_shard": 1, "tp": 2, "pp": 2, "pp_virtual": 2}, "interleaved_1f1b")]
+    by_rank = run_distributed(_train_each, 4, str(tmp_path), runs, STEPS, "tiny_deep", timeout_s=400)
+    reference = by_rank[0][0]
+    for index, (layout, _) in enumerate(runs[1:], start=1):
         name = "-".join(f"{k}{v}" for k, v in layout.items())
-        results = run_distributed(_train, 4, str(tmp_path / name), layout, schedule, None, STEPS, None, "tiny_deep",
-                                  timeout_s=200)
+        results = [runs_of_rank[index] for runs_of_rank in by_rank]
+        assert results[0]["layout"]["pp"] == 2, name
         # each process holds its stages' blocks: with two a process, the first blocks 0 and 2, the last 1 and 3
         blocks = {rank: sorted({int(n.split(".")[2]) for n in r["grads"] if ".layers." in n})
                   for rank, r in enumerate(results)}
