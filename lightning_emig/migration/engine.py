@@ -213,13 +213,13 @@ def _union_of_sides(
     sides: list[dict[str, ShardingSpec] | None], group: dist.ProcessGroup | None
 ) -> list[dict[str, ShardingSpec]]:
     """:func:`union_specs` of several sides (old, new) in one all-gather."""
-    gathered: list[list[dict[str, ShardingSpec] | None] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, sides, group=group)
+    gathered: list[list[dict[str, ShardingSpec] | None]] = [[] for _ in range(dist.get_world_size(group))]
+    dist.all_gather_object(gathered, sides, group=group)  # every process sends a list as long as ``sides``
     unions: list[dict[str, ShardingSpec]] = []
     for index in range(len(sides)):
         union: dict[str, ShardingSpec] = {}
         for parts in gathered:
-            for key, spec in ((parts or [None] * len(sides))[index] or {}).items():
+            for key, spec in (parts[index] or {}).items():
                 if union.setdefault(key, spec) != spec:
                     raise ValueError(f"{key}: processes disagree on its sharding ({union[key]} vs {spec})")
         unions.append(dict(sorted(union.items())))

@@ -17,13 +17,11 @@ Invariants:
 * ranks are ranks *in* ``group`` (``group_peer``), so the union group may be any group, not only the default one;
 * a bucket may mix dtypes: boxes sit at arbitrary byte offsets of the flat buffer, never reinterpreted in place
   at an offset their dtype cannot be aligned to;
-* bounded memory of the state itself: a local copy runs in the round that last reads its source, while that round's
-  messages are on the wire as far as the round's budget allows (its messages' bytes, the copies and the released
-  bytes not yet returned to the OS stay within ``bucket_bytes``), the rest once they landed; old state is released
-  (``on_release(key)``) right after the round that last reads it, a tensor read only by local copies (or by a
-  deferred copy) right after its own copies, and on the CPU released pages go back to the OS in lots; new storage
-  that is allocated but not yet written costs no memory (untouched pages), so a process holds at most
-  max(old, new) + ``bucket_bytes`` + one tensor's shard at any time;
+* bounded memory of the state itself: local copies run in the round that last reads their source, within what
+  the round's messages leave of ``bucket_bytes`` (:mod:`lightning_emig.migration.local_side`); old state is
+  released (``on_release(key)``) right after the round that last reads it, and on the CPU released pages go back to
+  the OS in lots; new storage that is allocated but not yet written costs no memory (untouched pages), so a process
+  holds at most max(old, new) + ``bucket_bytes`` + one tensor's shard at any time;
 * with ``checksum=True`` each message carries a CRC32 of its bytes; a mismatch raises
   :class:`ChecksumMismatchError` once every round has run (so no peer is left waiting in a later round), and the
   received state must not be used.
@@ -33,15 +31,14 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_emig.host_memory import return_freed_host_memory
 from lightning_emig.migration.geometry import ShardBox
+from lightning_emig.migration.local_side import FirstError, LocalWork, Releases, Round
 from lightning_emig.migration.planner import RankPlan, Transfer
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -231,23 +228,6 @@ def _crc(buffer: torch.Tensor) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ running
-def _copy(transfers: Iterable[Transfer], old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> int:
-    copied = 0
-    for t in transfers:
-        new[t.tensor][t.dst_slices()].copy_(old[t.tensor][t.src_slices()])
-        copied += t.nbytes
-    return copied
-
-
-def _copies_by_round(plan: RankPlan, last_read: dict[int, list[str]]) -> dict[int, dict[str, list[Transfer]]]:
-    """Local copies by the round that last reads their source tensor (-1: no round reads it), then by tensor."""
-    round_of = {key: index for index, keys in last_read.items() for key in keys}
-    out: dict[int, dict[str, list[Transfer]]] = {}
-    for t in plan.copies:
-        out.setdefault(round_of.get(t.tensor, -1), {}).setdefault(t.tensor, []).append(t)
-    return out
-
-
 def pair_bucket_bytes(bucket_bytes: int, my_peers: int, their_peers: int) -> int:
     return max(1, bucket_bytes // (2 * max(my_peers, their_peers, 1)))
 
@@ -272,9 +252,7 @@ def run_transfer(
         on_release: Called with a key once no later round reads ``old[key]``.
     """
     stats = TransferStats()
-    # A local error (a copy, a release) must not abandon the rounds: every peer posts them regardless and would
-    # wait for this process until the group's timeout. The first one is kept and raised after the last round.
-    local = _FirstError()
+    local = FirstError()  # a local error (a copy, a release) is raised after the last round, not before
     me = len(plan.peers)
     schedule = _schedule(plan, me, peer_counts, options.bucket_bytes)
     last_read = _last_round_reading(schedule, old, plan)
@@ -284,145 +262,30 @@ def run_transfer(
     arenas = _arenas(schedule, old, new, device, in_place, options.in_place_min_bytes)
     # The arenas are the transfer's extra memory: at most the largest round's sends plus its receives.
     stats.peak_buffer_bytes = sum(arena.buffer.numel() for arena in arenas)
-    releases = _Releases(old, on_release, local, reclaim=on_release is not None and device.type == "cpu",
-                         bucket_bytes=options.bucket_bytes)
-    work = _LocalWork(plan, last_read, old, new, releases, stats, local)
+    releases = Releases(old, on_release, local, reclaim=on_release is not None and device.type == "cpu",
+                        bucket_bytes=options.bucket_bytes)
+    work = LocalWork(plan, last_read, old, new, releases, local)
 
     mismatch: ChecksumMismatchError | None = None
     if not schedule:
-        work.on_wire(0, slack=None)
+        work.on_wire(0, None)
     for round_index, (sends, recvs) in enumerate(schedule):
-        slack = releases.copy_slack(sends, recvs)
         # After a mismatch keep running the remaining rounds: peers post them regardless, and raising now would
         # leave them blocked until the process group times out. Nothing received is trusted after a mismatch.
         error = _run_round(
             round_index, sends, recvs, old, new, union_rank, group, options, device, stats, arenas, in_place, local,
-            while_on_wire=lambda i=round_index, room=slack: work.on_wire(i, room),
+            while_on_wire=lambda i=round_index, r=(sends, recvs): work.on_wire(i, r),
         )
         mismatch = mismatch or error
         work.after_wait(round_index, last=round_index == len(schedule) - 1)
     stats.rounds = len(schedule)
+    stats.bytes_copied, stats.seconds_copy = work.bytes_copied, work.seconds_copy
     stats.seconds_transfer = time.perf_counter() - start
     if local.error is not None:
         raise local.error
     if mismatch is not None:
         raise mismatch
     return stats
-
-
-class _Releases:
-    """Old shards leave as soon as nothing reads them, and on the CPU their pages go back to the OS before the new
-    state's pages pile up on top of them (``reclaim``): the bound on a change's peak memory.
-
-    A model's shards are mostly a few MiB, below glibc's mmap threshold, so a freed one stays resident in the heap
-    until ``malloc_trim``. A trim costs a few ms, so released bytes are trimmed in lots of ``lot_bytes``; the lot is
-    taken out of what the round's local copies may write while its messages are on the wire (:meth:`copy_slack`).
-    """
-
-    def __init__(self, old: dict[str, torch.Tensor], on_release: Callable[[str], None] | None, local: _FirstError,
-                 *, reclaim: bool, bucket_bytes: int) -> None:
-        self.old = old
-        self.on_release = on_release or (lambda key: None)
-        self.local = local
-        self.reclaim = reclaim
-        self.bucket_bytes = bucket_bytes
-        self.lot_bytes = min(bucket_bytes // 8, 64 << 20)
-        self.pending = 0
-
-    def copy_slack(self, sends: dict[int, list[Transfer]], recvs: dict[int, list[Transfer]]) -> int | None:
-        """Bytes of local copies a round may write while its sources are still held (None: no limit, where old
-        state is not released or memory is not returned): the budget left by its messages and one lot."""
-        if not self.reclaim:
-            return None
-        on_wire = sum(t.nbytes for buckets in (sends, recvs) for bucket in buckets.values() for t in bucket)
-        return max(0, self.bucket_bytes - on_wire - self.lot_bytes)
-
-    def free(self, key: str, *, in_lots: bool = True) -> None:
-        """Release ``old[key]``; return the released pages once a lot has gathered (unless ``in_lots`` is false)."""
-        tensor = self.old[key]
-        self.local.run(self.on_release, key)
-        self.pending += tensor.numel() * tensor.element_size()
-        if in_lots and self.pending >= self.lot_bytes:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.reclaim and self.pending:
-            return_freed_host_memory()
-        self.pending = 0
-
-
-class _LocalWork:
-    """The local side of a transfer, round by round: copies of what stays on this process and the release of old
-    shards once nothing reads them.
-
-    A copy runs in the round that last reads its source: while the round's messages are on the wire as far as the
-    round's memory slack allows, the rest after the messages landed, each source freed right after its copy."""
-
-    def __init__(self, plan: RankPlan, last_read: dict[int, list[str]], old: dict[str, torch.Tensor],
-                 new: dict[str, torch.Tensor], releases: _Releases, stats: TransferStats, local: _FirstError) -> None:
-        self.last_read = last_read
-        self.copies = _copies_by_round(plan, last_read)
-        self.old, self.new = old, new
-        self.releases = releases
-        self.stats = stats
-        self.local = local
-        self.deferred: list[str] = []
-        """Keys of the current round whose copies wait until its messages landed."""
-
-    def _run_copies(self, transfers: Iterable[Transfer]) -> None:
-        started = time.perf_counter()
-        self.stats.bytes_copied += self.local.run(_copy, transfers, self.old, self.new) or 0
-        self.stats.seconds_copy += time.perf_counter() - started
-
-    def on_wire(self, round_index: int, slack: int | None) -> None:
-        """Copies while round ``round_index``'s messages travel, within ``slack`` bytes; the rest are deferred."""
-        if round_index == 0:  # sources no round reads (copied locally, or not needed): copy, then free at once
-            for key in self.last_read.get(-1, ()):
-                self._run_copies(self.copies.get(-1, {}).get(key, ()))
-                self.releases.free(key)
-        written = 0
-        for key, transfers in self.copies.get(round_index, {}).items():
-            size = sum(t.nbytes for t in transfers)
-            if slack is not None and written + size > slack:
-                self.deferred.append(key)
-                continue
-            self._run_copies(transfers)
-            written += size
-
-    def after_wait(self, round_index: int, *, last: bool) -> None:
-        """Free what the round read last, then run its deferred copies, each source freed after its copy.
-
-        After the last round nothing new comes in, so its releases stay in the heap for the next step (a trim
-        cannot lower a peak already reached, and the step would fault the pages in again)."""
-        deferred, self.deferred = self.deferred, []
-        waiting = set(deferred)
-        for key in self.last_read.get(round_index, ()):
-            if key not in waiting:
-                self.releases.free(key, in_lots=not last)
-        if deferred:
-            self.releases.flush()
-        for key in deferred:
-            self._run_copies(self.copies[round_index][key])
-            self.releases.free(key)
-        if not last:
-            self.releases.flush()
-
-
-class _FirstError:
-    """Runs local steps of a transfer, keeping the first exception instead of raising it (see ``run_transfer``)."""
-
-    def __init__(self) -> None:
-        self.error: Exception | None = None
-
-    def run(self, step: Callable[..., Any], *args: Any) -> Any:
-        try:
-            return step(*args)
-        except Exception as exc:
-            self.error = self.error or exc
-            return None
-
-
-Round = tuple[dict[int, list[Transfer]], dict[int, list[Transfer]]]
 
 
 def _staged_bytes(buckets: dict[int, list[Transfer]], tensors: dict[str, torch.Tensor], *, source: bool,
@@ -485,7 +348,7 @@ def _run_round(
     stats: TransferStats,
     arenas: tuple[_Arena, _Arena],
     in_place: bool,
-    local: _FirstError,
+    local: FirstError,
     while_on_wire: Callable[[], None],
 ) -> ChecksumMismatchError | None:
     """Post one round's sends and receives in one ``batch_isend_irecv``, run ``while_on_wire`` (local work) before

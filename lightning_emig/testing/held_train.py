@@ -112,6 +112,13 @@ def hold_admission(until_generation: int, timeout_s: float = HOLD_TIMEOUT_S) -> 
     elastic.await_admission = held_await_admission
 
 
+def _wait_for_file(path: Any, timeout_s: float) -> None:
+    """Until the test creates ``path`` (a release), or ``timeout_s`` passed."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def hold_before_done(release_dir: str, timeout_s: float = HOLD_TIMEOUT_S) -> None:
     """The end of training is announced only once ``release_dir/release-done`` exists (see the module docstring)."""
     from pathlib import Path
@@ -121,11 +128,10 @@ def hold_before_done(release_dir: str, timeout_s: float = HOLD_TIMEOUT_S) -> Non
     announce = ElasticFitLauncher._announce_done  # noqa: SLF001 - the seam this hold pins
 
     def held_announce(self: Any) -> None:
-        release = Path(release_dir) / "release-done"
-        log.warning("test hold: training over, the end is announced once %s exists", release)
-        deadline = time.monotonic() + timeout_s
-        while not release.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        if self._strategy.global_rank == 0:
+            release = Path(release_dir) / "release-done"
+            log.warning("test hold: training over, the end is announced once %s exists", release)
+            _wait_for_file(release, timeout_s)
         announce(self)
 
     ElasticFitLauncher._announce_done = held_announce  # type: ignore[method-assign]  # noqa: SLF001
@@ -241,9 +247,7 @@ def hold_at_steps(steps: set[int], release_dir: str, timeout_s: float = HOLD_TIM
             steps.discard(step)
             release = Path(release_dir) / f"release-{step}"
             log.warning("test hold: step %d waits for %s", step, release)
-            deadline = time.monotonic() + timeout_s
-            while not release.exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            _wait_for_file(release, timeout_s)
             log.warning("test hold: step %d released", step)
             self._last_poll = float("-inf")  # the held step always reads the store (whatever the test did meanwhile)
         on_batch_end(self, trainer, *args, **kwargs)
