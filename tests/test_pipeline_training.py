@@ -107,8 +107,8 @@ def test_two_stages_train_like_fsdp(tmp_path: Path, reference_2: dict[str, Any],
 
 def _train_each(rank: int, world: int, root: str, runs: list[tuple[dict[str, int], str]], steps: int, size: str
                 ) -> list[dict[str, Any]]:
-    """:func:`_train` for each (layout, schedule) in turn, in the same processes: one start-up (about 10 s of imports
-    and a process group a run on two cores) for all of them."""
+    """:func:`_train` for each (layout, schedule) in turn, in the same processes: one start-up for all of them (each
+    costs about 10 s of imports and process-group set-up on two cores)."""
     return [_train(rank, world, str(Path(root) / str(i)), layout, schedule, None, steps, None, size)
             for i, (layout, schedule) in enumerate(runs)]
 

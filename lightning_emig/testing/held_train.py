@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 ENV_HOLD_UNTIL_GENERATION = "LIGHTNING_EMIG_TEST_HOLD_UNTIL_GENERATION"
@@ -112,17 +113,19 @@ def hold_admission(until_generation: int, timeout_s: float = HOLD_TIMEOUT_S) -> 
     elastic.await_admission = held_await_admission
 
 
-def _wait_for_file(path: Any, timeout_s: float) -> None:
-    """Until the test creates ``path`` (a release), or ``timeout_s`` passed."""
+def _wait_for_file(path: Path, timeout_s: float, what: str) -> None:
+    """Until the test creates ``path`` (a release), or ``timeout_s`` passed; logs which, naming ``what`` waited."""
     deadline = time.monotonic() + timeout_s
     while not path.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
+    if path.exists():
+        log.warning("test hold: %s released", what)
+    else:
+        log.warning("test hold: no %s within %.0fs (%s); going on", path, timeout_s, what)
 
 
 def hold_before_done(release_dir: str, timeout_s: float = HOLD_TIMEOUT_S) -> None:
     """The end of training is announced only once ``release_dir/release-done`` exists (see the module docstring)."""
-    from pathlib import Path
-
     from lightning_emig.strategy.elastic_fit import ElasticFitLauncher
 
     announce = ElasticFitLauncher._announce_done  # noqa: SLF001 - the seam this hold pins
@@ -131,7 +134,7 @@ def hold_before_done(release_dir: str, timeout_s: float = HOLD_TIMEOUT_S) -> Non
         if self._strategy.global_rank == 0:
             release = Path(release_dir) / "release-done"
             log.warning("test hold: training over, the end is announced once %s exists", release)
-            _wait_for_file(release, timeout_s)
+            _wait_for_file(release, timeout_s, "the end of training")
         announce(self)
 
     ElasticFitLauncher._announce_done = held_announce  # type: ignore[method-assign]  # noqa: SLF001
@@ -202,8 +205,6 @@ ENV_DIE_AFTER_JOIN = "LIGHTNING_EMIG_TEST_DIE_AFTER_JOIN"
 
 def die_in_join(marker: str, *, after: bool) -> None:
     """A joiner's first worker dies as its live join begins, or right after it (see the module docstring)."""
-    from pathlib import Path
-
     from lightning_emig.strategy import elastic
 
     join_live = elastic.join_live
@@ -234,8 +235,6 @@ ENV_RUN_MODULE = "LIGHTNING_EMIG_TEST_RUN_MODULE"
 
 def hold_at_steps(steps: set[int], release_dir: str, timeout_s: float = HOLD_TIMEOUT_S) -> None:
     """Rank 0 waits at each of ``steps`` until ``release_dir/release-<step>`` exists (see the module docstring)."""
-    from pathlib import Path
-
     from lightning_emig.strategy.boundary import at_step_boundary
     from lightning_emig.strategy.rendezvous import RendezvousCallback
 
@@ -247,8 +246,7 @@ def hold_at_steps(steps: set[int], release_dir: str, timeout_s: float = HOLD_TIM
             steps.discard(step)
             release = Path(release_dir) / f"release-{step}"
             log.warning("test hold: step %d waits for %s", step, release)
-            _wait_for_file(release, timeout_s)
-            log.warning("test hold: step %d released", step)
+            _wait_for_file(release, timeout_s, f"step {step}")
             self._last_poll = float("-inf")  # the held step always reads the store (whatever the test did meanwhile)
         on_batch_end(self, trainer, *args, **kwargs)
 
