@@ -144,6 +144,9 @@ class TrainerSection:
     pipeline_schedule: str = "gpipe"
     """Under ``layout.pp > 1``: ``gpipe``, ``1f1b`` (needs at least ``pp`` micro-batches per step) or
     ``interleaved_1f1b`` (for ``layout.pp_virtual > 1``; micro-batches per step fewer than ``pp`` or a multiple)."""
+    defer_grad_sync: str = "replicas"
+    """Gradient reductions that wait for a step's last micro-batch: ``replicas`` (the all-reduce across HSDP
+    replicas; no extra memory), ``all`` (the reduce-scatter too; unsharded gradients held meanwhile) or ``none``."""
     gradient_clip_val: Optional[float] = None  # noqa: UP045
     """Clip gradients to this global L2 norm (over every stage under pp); None: no clipping."""
 

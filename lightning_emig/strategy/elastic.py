@@ -22,6 +22,7 @@ What the strategy owns, and nothing more (elasticity stays inside this boundary,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -74,6 +75,7 @@ from lightning_emig.strategy.boundary import (
 from lightning_emig.strategy.clipping import route_norm_clipping
 from lightning_emig.strategy.elastic_fit import ElasticFitLauncher, treat_step_as_saved
 from lightning_emig.strategy.events import publish_event
+from lightning_emig.strategy.grad_sync import DeferGradSync, accumulating, check_defer_choice
 from lightning_emig.strategy.live_join import join_live
 from lightning_emig.strategy.pipeline import (
     PipelineDriver,
@@ -88,6 +90,8 @@ from lightning_emig.strategy.rng import gather_rng_states, restore_rng_for_rank
 from lightning_emig.strategy.sharded_load import holds_dtensors, load_sharded_into_plain_model
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     import lightning.pytorch as pl
     from lightning.fabric.utilities.types import _PATH
     from torch.optim import Optimizer
@@ -123,6 +127,10 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         pipeline_schedule: Under ``pp > 1``: ``"gpipe"``, ``"1f1b"`` (at least ``pp`` micro-batches per step) or
             ``"interleaved_1f1b"`` (the one for ``pp_virtual > 1``: several stages a process; micro-batches per step
             fewer than ``pp`` or a multiple of it); the strategy runs it (:mod:`lightning_emig.strategy.pipeline`).
+        defer_grad_sync: Which gradient reductions wait for a step's last micro-batch: ``"replicas"`` (the
+            all-reduce across HSDP replicas; no extra memory), ``"all"`` (the reduce-scatter too: unsharded
+            gradients held meanwhile) or ``"none"`` (reduce after every micro-batch, as Lightning's
+            ``ModelParallelStrategy``); see :mod:`lightning_emig.strategy.grad_sync`.
     """
 
     def __init__(
@@ -140,6 +148,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         async_checkpoints: bool = False,
         picker: LayoutPicker | None = None,
         pipeline_schedule: str = "gpipe",
+        defer_grad_sync: DeferGradSync = "replicas",
     ) -> None:
         super().__init__(
             data_parallel_size=1,
@@ -204,6 +213,8 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
                              f"the strategy runs {pipeline_schedule!r}: give both the same pipeline_schedule")
         self.pipeline_schedule = pipeline_schedule
         self._pipeline: PipelineDriver | None = None
+        check_defer_choice(defer_grad_sync)
+        self.defer_grad_sync: DeferGradSync = defer_grad_sync
 
     # ------------------------------------------------------------------ layout
     @property
@@ -568,6 +579,14 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
                 schedule=self.pipeline_schedule, training_step=module.training_step, device=self.root_device,
             )
         return self._pipeline
+
+    @override
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        # Lightning enters this around the micro-batches that only accumulate.
+        assert self.model is not None
+        with accumulating(self.model, self.layout, self.defer_grad_sync):
+            yield
 
     @override
     def backward(self, closure_loss: Any, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Any:

@@ -75,6 +75,7 @@ def build_strategy(cfg: TrainConfig, run_dir: Path | None = None) -> ElasticMigr
         async_checkpoints=cfg.trainer.checkpoint_async,
         picker=layout_picker(cfg, run_dir),
         pipeline_schedule=cfg.trainer.pipeline_schedule,
+        defer_grad_sync=cfg.trainer.defer_grad_sync,  # type: ignore[arg-type]  # checked by the strategy
     )
 
 
