@@ -62,6 +62,11 @@ PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
 ``ScheduleGPipe`` and ``Schedule1F1B`` run one stage per process, ``ScheduleInterleaved1F1B`` the ``pp_virtual``
 stages of each process (also one)."""
 
+GRAD_SYNC_DEFERRALS: tuple[str, ...] = ("replicas", "all", "none")
+"""Which gradient reductions wait for a step's last micro-batch (the strategy's ``defer_grad_sync``, the picker's cost
+model): the all-reduce across HSDP replicas, also the reduce-scatter, or none (see
+:mod:`lightning_emig.strategy.grad_sync`)."""
+
 #: The schedules that run several stages per process (``pp_virtual > 1``).
 MULTI_STAGE_SCHEDULES: tuple[str, ...] = ("interleaved_1f1b",)
 

@@ -69,3 +69,14 @@ def test_an_unknown_choice_is_refused() -> None:
 
     with pytest.raises(ValueError, match="defer_grad_sync must be one of 'replicas', 'all', 'none'"):
         ElasticMigrationStrategy(global_batch_size=8, micro_batch_size=2, defer_grad_sync="sometimes")  # type: ignore[arg-type]
+
+
+def test_the_picker_plans_for_the_deferral_training_runs() -> None:
+    from lightning_emig.models.llama import MODEL_SIZES
+    from lightning_emig.picker.policy import LayoutPicker
+    from lightning_emig.strategy.elastic import ElasticMigrationStrategy
+
+    picker = LayoutPicker.from_section({"enabled": True}, model=MODEL_SIZES["tiny"], seq_len=32, defer_grad_sync="all")
+    assert picker is not None and picker.constraints.defer_grad_sync == "all"
+    with pytest.raises(ValueError, match="the layout picker plans for defer_grad_sync='all' but the strategy runs"):
+        ElasticMigrationStrategy(global_batch_size=8, micro_batch_size=2, picker=picker)

@@ -205,11 +205,18 @@ def test_every_world_from_1_to_64(memory_gb: float) -> None:
         assert sum(1 for c in result.candidates if c.idle_devices == 0) >= 1  # full-world layouts are listed
 
 
-def test_1b_at_80gb_picks_pure_fsdp_on_one_node() -> None:
+def test_1b_at_80gb_picks_data_parallelism_alone_on_one_node() -> None:
+    """Eight replicas, their all-reduce once per step (``defer_grad_sync="replicas"``, the default), against pure FSDP's
+    gathers every micro-batch: both hide behind compute, the replicas by a hair, for more memory. With the
+    all-reduce after every micro-batch (``"none"``) pure FSDP is the faster."""
     result = pick(8)
-    assert degrees(result.layout) == (1, 8, 1, 1)
+    assert degrees(result.layout) == (8, 1, 1, 1)
     assert result.idle_devices == 0 and "uses all 8 devices" in result.explanation
     assert result.chosen.activation_checkpointing is False
+    fsdp = next(c for c in result.candidates if degrees(c.layout) == (1, 8, 1, 1))
+    assert fsdp.est_step_seconds <= 1.02 * result.chosen.est_step_seconds
+    assert fsdp.est_memory_bytes < result.chosen.est_memory_bytes
+    assert degrees(pick(8, defer_grad_sync="none").layout) == (1, 8, 1, 1)
 
 
 def test_1b_keeps_tensor_parallelism_within_a_node_at_64() -> None:
@@ -246,18 +253,21 @@ def test_a_memory_limit_that_forbids_pure_fsdp_makes_tp_greater_than_1(world: in
 
 
 PRIME_WORLDS = [
-    # (world, global batch, micro batch sizes, idle devices expected): the batch admits dp = world in each case.
-    (11, 704, (1,), 3),  # micro 1: FSDP traffic dominates, the 9th-11th devices are on a second node -> idle
-    (11, 704, (8,), 0),  # micro 8: compute hides it, using all 11 is faster
-    (7, 448, (1, 2, 4, 8), 0),  # one node: all 7
-    (13, 512, (1, 2, 4, 8), 5),  # no layout uses 13 devices (dp must divide 512; tp=13 crosses nodes)
+    # (world, global batch, micro batch sizes, allowed dp_replicate, idle devices expected): the batch admits
+    # dp = world in each case.
+    (11, 704, (1,), (1,), 3),  # pure FSDP, micro 1: its traffic every micro-batch dominates, the 9th-11th devices
+    # are on a second node -> idle
+    (11, 704, (1,), None, 0),  # replicas: their all-reduce waits for the step's last of 64 micro-batches -> all 11
+    (11, 704, (8,), None, 0),  # micro 8: compute hides it, using all 11 is faster
+    (7, 448, (1, 2, 4, 8), None, 0),  # one node: all 7
+    (13, 512, (1, 2, 4, 8), None, 5),  # no layout uses 13 devices (dp must divide 512; tp=13 crosses nodes)
 ]
 
 
-@pytest.mark.parametrize(("world", "global_batch", "micros", "idle"), PRIME_WORLDS)
-def test_a_prime_world_leaves_devices_idle_only_when_faster(world: int, global_batch: int,
-                                                           micros: tuple[int, ...], idle: int) -> None:
-    result = pick(world, 80, global_batch=global_batch, micro_batch_sizes=micros)
+@pytest.mark.parametrize(("world", "global_batch", "micros", "replicas", "idle"), PRIME_WORLDS)
+def test_a_prime_world_leaves_devices_idle_only_when_faster(world: int, global_batch: int, micros: tuple[int, ...],
+                                                           replicas: tuple[int, ...] | None, idle: int) -> None:
+    result = pick(world, 80, global_batch=global_batch, micro_batch_sizes=micros, dp_replicate=replicas)
     assert result.idle_devices == idle
     full = [c for c in result.candidates if c.idle_devices == 0 and c.feasible]
     if idle and full:
@@ -435,13 +445,13 @@ def test_cli_prints_tables_and_writes_the_records(tmp_path: Any) -> None:
            "device_memory_gb=80", "global_batch_size=512", "seq_len=2048", "tp=[1,2,4,8]", "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
-    assert "world 8: dp_replicate=1 dp_shard=8 tp=1 pp=1" in done.stdout and "world 24:" in done.stdout
+    assert "world 8: dp_replicate=8 dp_shard=1 tp=1 pp=1" in done.stdout and "world 24:" in done.stdout
     records = json.loads(out.read_text())
     assert [r["world"] for r in records] == [8, 24]
     for record in records:
         assert {"world", "layout", "est_memory_bytes", "est_step_seconds", "migration_bytes", "idle_devices",
                 "candidates"} <= record.keys()
-    assert records[1]["idle_devices"] == 8 and records[0]["layout"]["dp_shard"] == 8
+    assert records[1]["idle_devices"] == 8 and records[0]["layout"]["dp_replicate"] == 8
 
 
 def test_cli_unknown_key_names_the_valid_ones(capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:

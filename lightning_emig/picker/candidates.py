@@ -179,9 +179,10 @@ def _option(problem: Problem, layout: HybridLayout, plan: BatchPlan, checkpointi
     common = {"seq_len": problem.seq_len, "micro_batch_size": plan.micro_batch_size,
               "mixed_precision": c.mixed_precision, "activation_checkpointing": checkpointing}
     memory = estimate_memory(problem.model, layout, grad_accumulation=plan.grad_accumulation,
-                             pipeline_schedule=c.pipeline_schedule, **common)
+                             pipeline_schedule=c.pipeline_schedule, defer_grad_sync=c.defer_grad_sync, **common)
     step = estimate_step_time(problem.model, layout, grad_accumulation=plan.grad_accumulation,
-                              devices_per_node=c.devices_per_node, profile=problem.profile, **common)
+                              devices_per_node=c.devices_per_node, profile=problem.profile,
+                              defer_grad_sync=c.defer_grad_sync, **common)
     return Candidate(layout, problem.world - devices_of(layout), plan=plan, activation_checkpointing=checkpointing,
                      memory=memory, step=step)
 

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
 
-from lightning_emig.layout import PIPELINE_SCHEDULES, HybridLayout, LayoutError
+from lightning_emig.layout import GRAD_SYNC_DEFERRALS, PIPELINE_SCHEDULES, HybridLayout, LayoutError
 
 if TYPE_CHECKING:
     from lightning_emig.models.llama import LlamaConfig
@@ -60,6 +60,9 @@ class PickerConstraints:
     pipeline_schedule: str = "gpipe"
     """The schedule training runs stages with (the strategy's ``pipeline_schedule``): ``gpipe`` keeps every
     micro-batch's activations until its backward, ``1f1b`` at most ``pp`` and needs at least ``pp`` micro-batches."""
+    defer_grad_sync: str = "replicas"
+    """Which gradient reductions training leaves to a step's last micro-batch (the strategy's ``defer_grad_sync``):
+    ``replicas`` (HSDP's all-reduce), ``all`` (the reduce-scatter too: unsharded gradients held) or ``none``."""
     mixed_precision: Literal["bf16", "fp32"] = "bf16"
     """``bf16``: bf16 compute with fp32 master weights, gradients and optimizer state; ``fp32``: all fp32."""
     activation_checkpointing: Literal["auto"] | bool = "auto"
@@ -83,6 +86,9 @@ class PickerConstraints:
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise PickerError(f"pipeline_schedule must be one of {list(PIPELINE_SCHEDULES)}, "
                               f"got {self.pipeline_schedule!r}")
+        if self.defer_grad_sync not in GRAD_SYNC_DEFERRALS:
+            raise PickerError(f"defer_grad_sync must be one of {list(GRAD_SYNC_DEFERRALS)}, "
+                              f"got {self.defer_grad_sync!r}")
         if self.mixed_precision not in ("bf16", "fp32"):
             raise PickerError(f"mixed_precision must be 'bf16' or 'fp32', got {self.mixed_precision!r}")
         if self.activation_checkpointing not in ("auto", True, False):

@@ -39,7 +39,7 @@ class MemoryEstimate:
     parameters: int
     """fp32 parameters held by this device (its FSDP shard of its TP shard): the master weights under bf16."""
     gradients: int
-    """fp32 sharded gradients (FSDP2 reduce-scatters in fp32)."""
+    """fp32 sharded gradients (FSDP2 reduce-scatters in fp32); unsharded while reductions wait for a step's end."""
     optimizer: int
     """AdamW ``exp_avg`` and ``exp_avg_sq``, fp32, sharded like the parameters."""
     unsharded: int
@@ -68,8 +68,13 @@ def estimate_memory(
     activation_checkpointing: bool = False,
     grad_accumulation: int = 1,
     pipeline_schedule: str = "gpipe",
+    defer_grad_sync: str = "replicas",
 ) -> MemoryEstimate:
     """Peak bytes on the busiest device of ``layout`` (a resolved one).
+
+    With ``defer_grad_sync="all"`` and more than one micro-batch a step (or ``pp > 1``, whose schedule defers every
+    reduction), FSDP2 keeps each unit's unsharded gradient in fp32 until the step's last micro-batch: the local
+    (TP-sharded) model's gradient, not its ``dp_shard`` share.
 
     ``grad_accumulation`` and ``pipeline_schedule`` matter with ``pp > 1`` only: the first stage keeps the
     activations of every micro-batch whose backward has not run, all ``accumulation`` of them under GPipe,
@@ -88,9 +93,11 @@ def estimate_memory(
             in_flight *= 1 + (layout.pp - 1) / (layout.pp * layout.pp_virtual)
     per_micro = _activations(model, counts, layout, seq_len, micro_batch_size, mixed_precision,
                              activation_checkpointing)
+    fsdp = layout.dp_replicate * layout.dp_shard > 1
+    held = fsdp and grad_accumulation > 1 and (defer_grad_sync == "all" or layout.pp > 1)
     return MemoryEstimate(
         parameters=FP32 * sharded,
-        gradients=FP32 * sharded,
+        gradients=FP32 * (local if held else sharded),
         optimizer=2 * FP32 * sharded,
         unsharded=_unsharded_buffers(counts, layout, mixed_precision),
         activations=round(in_flight * per_micro),

@@ -50,7 +50,8 @@ class LayoutPicker:
     @classmethod
     def from_section(cls, section: Mapping[str, Any], *, model: LlamaConfig, seq_len: int,
                      mixed_precision: str = "fp32", activation_checkpointing: bool = False,
-                     local_world_size: int = 1, pipeline_schedule: str = "gpipe") -> LayoutPicker | None:
+                     local_world_size: int = 1, pipeline_schedule: str = "gpipe",
+                     defer_grad_sync: str = "replicas") -> LayoutPicker | None:
         """From the ``elastic.picker`` section (a plain mapping); None when it is not enabled. A setting that cannot
         work is a :class:`PickerError` naming it, raised here, at start. ``local_world_size``: processes per node,
         the default ``devices_per_node``."""
@@ -63,6 +64,7 @@ class LayoutPicker:
         values["mixed_precision"] = mixed_precision
         values["activation_checkpointing"] = activation_checkpointing
         values["pipeline_schedule"] = pipeline_schedule
+        values["defer_grad_sync"] = defer_grad_sync
         constraints = PickerConstraints.from_mapping(values)
         constraints.check_model(model, seq_len=seq_len)
         profile_path = section.get("profile")

@@ -6,8 +6,9 @@ Pure arithmetic. Invariants:
 * compute is the whole step's FLOPs spread evenly over the devices used: ``flops_per_token * tokens / (devices *
   flops * efficiency)``; idle devices add nothing;
 * the global batch fixes the tokens per step, so the layout changes only how they are split and what is
-  communicated: one optimizer step = ``grad_accumulation`` micro-batches, each with its own FSDP2 all-gathers,
-  reduce-scatters and HSDP all-reduce (training does not skip gradient sync while accumulating);
+  communicated: one optimizer step = ``grad_accumulation`` micro-batches, each with its own FSDP2 all-gathers;
+  the reduce-scatters and HSDP all-reduces run per micro-batch or once per step as training defers them
+  (``defer_grad_sync``; under ``pp > 1`` torch's schedule defers both);
 * tensor-parallel collectives sit on the critical path (no async TP); FSDP2 / HSDP traffic overlaps a micro-batch's
   compute up to ``comm_overlap``, never hiding the first block's all-gather;
 * a group whose ranks all sit in one node uses ``intra_node_bandwidth``, any other ``inter_node_bandwidth``;
@@ -134,6 +135,7 @@ def estimate_step_time(
     profile: HardwareProfile | None = None,
     mixed_precision: str = "bf16",
     activation_checkpointing: bool = False,
+    defer_grad_sync: str = "replicas",
 ) -> StepEstimate:
     """Seconds per optimizer step of a resolved ``layout`` that runs ``grad_accumulation`` micro-batches per rank."""
     profile = profile or HardwareProfile()
@@ -142,16 +144,22 @@ def estimate_step_time(
     compute = (flops_per_token(model, seq_len, activation_checkpointing) * tokens
                / (layout.tp * layout.pp * profile.flops(mixed_precision)))
     tp = _tensor_parallel(model, layout, tokens, devices_per_node, profile, mixed_precision, activation_checkpointing)
-    dp = _data_parallel(counts, layout, devices_per_node, profile, mixed_precision)
+    traffic = _data_parallel(counts, layout, devices_per_node, profile, mixed_precision)
+    deferred = "all" if layout.pp > 1 else defer_grad_sync
+    scatters = 1 if deferred == "all" else grad_accumulation
+    all_reduces = grad_accumulation if deferred == "none" else 1
+    dp = (grad_accumulation * traffic.gather + scatters * traffic.reduce_scatter
+          + all_reduces * traffic.all_reduce)
     units = counts.stage_blocks(layout.pp) + 1
-    exposed = max(dp - profile.comm_overlap * compute, dp / units) if dp else 0.0
+    step_compute = grad_accumulation * compute
+    exposed = max(dp - profile.comm_overlap * step_compute, dp / units) if dp else 0.0
     local = -(-counts.stage_local(layout.tp, layout.pp) // layout.dp_shard)
     bubble = (layout.pp - 1) * (compute + tp) / layout.pp_virtual  # pp - 1 micro-batch times of fill and drain
     return StepEstimate(
-        compute=grad_accumulation * compute,
+        compute=step_compute,
         tensor_parallel=grad_accumulation * tp,
-        data_parallel=grad_accumulation * dp,
-        data_parallel_exposed=grad_accumulation * exposed,
+        data_parallel=dp,
+        data_parallel_exposed=exposed,
         optimizer=local * ADAMW_BYTES_PER_ELEMENT / profile.hbm_bandwidth,
         pipeline_bubble=bubble,
     )
@@ -177,29 +185,34 @@ def _tensor_parallel(model: LlamaConfig, layout: HybridLayout, tokens: int, devi
     return wire + (count + 1) * profile.collective_latency
 
 
-def _data_parallel(counts: ParamCounts, layout: HybridLayout, devices_per_node: int, profile: HardwareProfile,
-                   mixed_precision: str) -> float:
-    """Seconds of FSDP2 and HSDP traffic per micro-batch on one rank (before overlap).
+@dataclass(frozen=True)
+class _DataParallelTraffic:
+    """Seconds of each kind of FSDP2 / HSDP collective for one micro-batch on one rank (before overlap)."""
 
-    Each block is all-gathered in forward and again in backward (resharded after forward), the root once (kept);
+    gather: float = 0.0
+    reduce_scatter: float = 0.0
+    all_reduce: float = 0.0
+
+
+def _data_parallel(counts: ParamCounts, layout: HybridLayout, devices_per_node: int, profile: HardwareProfile,
+                   mixed_precision: str) -> _DataParallelTraffic:
+    """Each block is all-gathered in forward and again in backward (resharded after forward), the root once (kept);
     gradients are reduce-scattered in fp32 over ``dp_shard`` and the resulting shard all-reduced over
     ``dp_replicate``. A ring moves ``(n - 1)/n`` of an all-gather's output per rank, twice that for an all-reduce.
     """
-    if layout.dp_replicate * layout.dp_shard == 1:
-        return 0.0
-    element = COMPUTE_BYTES[mixed_precision]
     blocks = counts.stage_blocks(layout.pp)
     block, root = counts.block_local(layout.tp), counts.root_local(layout.tp)
-    seconds = 0.0
+    gather = reduce_scatter = all_reduce = 0.0
     s = layout.dp_shard
     if s > 1:
-        gathered = (2 * blocks * block + root) * element
-        scattered = (blocks * block + root) * FP32
         bandwidth = profile.bandwidth(within_node(layout.tp * s, devices_per_node))
-        seconds += (s - 1) / s * (gathered + scattered) / bandwidth + 3 * (blocks + 1) * profile.collective_latency
+        gathered = (2 * blocks * block + root) * COMPUTE_BYTES[mixed_precision]
+        gather = (s - 1) / s * gathered / bandwidth + 2 * (blocks + 1) * profile.collective_latency
+        scattered = (blocks * block + root) * FP32
+        reduce_scatter = (s - 1) / s * scattered / bandwidth + (blocks + 1) * profile.collective_latency
     r = layout.dp_replicate
     if r > 1:
         shard = -(-(blocks * block + root) // s) * FP32
         bandwidth = profile.bandwidth(within_node(layout.tp * s * r, devices_per_node))
-        seconds += 2 * (r - 1) / r * shard / bandwidth + (blocks + 1) * profile.collective_latency
-    return seconds
+        all_reduce = 2 * (r - 1) / r * shard / bandwidth + (blocks + 1) * profile.collective_latency
+    return _DataParallelTraffic(gather, reduce_scatter, all_reduce)

@@ -214,6 +214,9 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         self.pipeline_schedule = pipeline_schedule
         self._pipeline: PipelineDriver | None = None
         check_defer_choice(defer_grad_sync)
+        if picker is not None and picker.constraints.defer_grad_sync != defer_grad_sync:
+            raise ValueError(f"the layout picker plans for defer_grad_sync={picker.constraints.defer_grad_sync!r} but "
+                             f"the strategy runs {defer_grad_sync!r}: give both the same defer_grad_sync")
         self.defer_grad_sync: DeferGradSync = defer_grad_sync
 
     # ------------------------------------------------------------------ layout

@@ -3,7 +3,7 @@
 Lightning enters ``strategy.block_backward_sync()`` around each micro-batch that only accumulates (every one of a
 step but the last). Its ``ModelParallelStrategy`` does nothing there, so FSDP2 reduce-scatters the gradients after
 every micro-batch and, under HSDP, all-reduces them across replicas after every micro-batch too. What waits for the
-step's last micro-batch instead (:data:`DEFER_CHOICES`):
+step's last micro-batch instead (:data:`~lightning_emig.layout.GRAD_SYNC_DEFERRALS`):
 
 * ``"replicas"`` (the default): the all-reduce across replicas. The reduce-scatter still runs after every
   micro-batch, so gradients stay sharded and memory does not grow; FSDP2 adds the partial sums up and all-reduces
@@ -13,16 +13,19 @@ step's last micro-batch instead (:data:`DEFER_CHOICES`):
 * ``"none"``: nothing (Lightning's behaviour): the least memory, the most collectives.
 
 The gradient a step ends with is the same sum either way, added up in another order (equal to rounding). Under
-pipeline stages the schedule runs every micro-batch's backward within the step's last call, outside the block (its
-own schedule decides), so nothing is deferred there; with ``dp == 1`` FSDP2 has nothing to reduce.
+pipeline stages the schedule runs every micro-batch's backward within the step's last call, outside the block, and
+torch's schedule itself defers every reduction of an FSDP2 stage to its last backward, whatever the choice; with
+``dp == 1`` FSDP2 has nothing to reduce.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Literal
 
 from torch.distributed.fsdp import FSDPModule
+
+from lightning_emig.layout import GRAD_SYNC_DEFERRALS
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -32,12 +35,12 @@ if TYPE_CHECKING:
     from lightning_emig.layout import HybridLayout
 
 DeferGradSync = Literal["replicas", "all", "none"]
-DEFER_CHOICES: tuple[str, ...] = get_args(DeferGradSync)
 
 
 def check_defer_choice(defer: str) -> None:
-    if defer not in DEFER_CHOICES:
-        raise ValueError(f"defer_grad_sync must be one of {', '.join(map(repr, DEFER_CHOICES))}, got {defer!r}")
+    if defer not in GRAD_SYNC_DEFERRALS:
+        raise ValueError(f"defer_grad_sync must be one of {', '.join(map(repr, GRAD_SYNC_DEFERRALS))}, "
+                         f"got {defer!r}")
 
 
 @contextlib.contextmanager

@@ -91,6 +91,7 @@ def layout_picker(cfg: TrainConfig, run_dir: Path | None = None) -> LayoutPicker
         section, model=get_model_config(cfg.model.size), seq_len=cfg.data.seq_len,
         mixed_precision="bf16" if bf16 else "fp32", activation_checkpointing=cfg.model.activation_checkpointing,
         local_world_size=_process_topology(cfg)[0], pipeline_schedule=cfg.trainer.pipeline_schedule,
+        defer_grad_sync=cfg.trainer.defer_grad_sync,
     )
 
 
