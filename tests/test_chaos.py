@@ -41,7 +41,7 @@ from lightning_emig.testing.chaos import (
     initial_nodes,
     make_schedule,
 )
-from lightning_emig.testing.nodes import REPO
+from lightning_emig.testing.nodes import REPO, start_reference
 
 SEEDS = [int(s) for s in os.environ.get("LIGHTNING_EMIG_CHAOS_SEEDS", "1").split(",")]
 LONG = os.environ.get("LIGHTNING_EMIG_CHAOS_LONG") == "1"
@@ -63,6 +63,7 @@ def _play(out_dir: Path, spec: ScheduleSpec, max_steps: int, base_args: tuple[st
     settings = ChaosSettings(base_args=base_args or _train(max_steps), min_nodes=spec.min_nodes,
                              max_nodes=spec.max_nodes, max_restarts=spec.max_restarts)
     run = ChaosRun(out_dir, schedule, settings)
+    start_reference(out_dir, settings.base_args)  # check_run compares with it
     run.run()  # stops every process it started, whatever happens
     result = check_run(run, spec.seed)
     print(result.markdown(f"chaos, seed {spec.seed}"))

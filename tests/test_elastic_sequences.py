@@ -58,7 +58,14 @@ from lightning_emig.testing.held_train import (
     ENV_HOLD_UNTIL_GENERATION,
 )
 from lightning_emig.testing.ledger import check_ledger
-from lightning_emig.testing.nodes import log_tail, start_node, stop_agents, wait_for, worst_loss_gap
+from lightning_emig.testing.nodes import (
+    log_tail,
+    start_node,
+    start_reference,
+    stop_agents,
+    wait_for,
+    worst_loss_gap,
+)
 from lightning_emig.training.step_times import read_step_times
 
 TIMED_STEPS = 200
@@ -86,6 +93,7 @@ class Nodes:
                  env: dict[str, str] | None = None) -> None:
         self.tmp_path, self.run_dir = tmp_path, tmp_path / "run"
         self.max_steps, self.train = max_steps, _train(max_steps)
+        start_reference(tmp_path, self.train)  # every test checks the loss curve against it
         self.port, self.rdzv_id, self.module, self.env = free_port(), rdzv_id, module, env or {}
         self.agents: dict[str, subprocess.Popen] = {}
         self.started: dict[str, set[int]] = {}
@@ -103,6 +111,11 @@ class Nodes:
         )
         self.started[name] = set()
         return self.agents[name]
+
+    def started_workers(self, name: str, timeout_s: float = 60) -> list[int]:
+        """Node ``name``'s workers once its agent has started one (it logs its generation just before)."""
+        wait_for(lambda: self.workers(name) or self.any_exited(), timeout_s, f"{name} started no worker:\n{self.logs()}")
+        return self.workers(name)
 
     def workers(self, name: str) -> list[int]:
         return [p for p in descendants(self.agents[name].pid) if is_alive(p)]
@@ -292,7 +305,7 @@ def test_a_second_join_while_the_first_joiner_is_still_starting(tmp_path: Path) 
     try:
         nodes.start("a")
         nodes.wait_for_log("a", "generation 0: world 1", 60, "A did not start")
-        a_workers = nodes.workers("a")
+        a_workers = nodes.started_workers("a")
         nodes.start("b", env={ENV_HOLD_ADMISSION_UNTIL_GENERATION: "2"})  # B's start-up outlasts C's round
         nodes.wait_for_log("a", "generation 1: world 2", 60, "B's round was never published")
         nodes.start("c")
@@ -345,7 +358,7 @@ def _join_with_a_dying_worker(tmp_path: Path, die: str, *, rdzv_id: str) -> tupl
     try:
         nodes.start("a")
         nodes.wait_for_log("a", "generation 0: world 1", 60, "A did not start")
-        a_workers = nodes.workers("a")
+        a_workers = nodes.started_workers("a")
         nodes.start("b", env={die: str(tmp_path / "b-died")}, max_restarts=1)
         nodes.finish(240)
     finally:

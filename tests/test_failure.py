@@ -42,6 +42,7 @@ from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.nodes import (
     assert_agents_succeed,
     start_node,
+    start_reference,
     stop_agents,
     wait_for,
     wait_for_exit,
@@ -181,6 +182,7 @@ def test_a_node_with_no_restart_left_leaves_the_job_open_for_a_new_node(tmp_path
     from lightning_emig.testing.held_train import ENV_HOLD_STEPS_FOR_JOINERS
     from lightning_emig.training.step_times import read_step_times
 
+    start_reference(tmp_path, TRAIN)
     port = free_port()
     run_dir = tmp_path / "run"
     agents: dict[str, subprocess.Popen] = {}
@@ -226,6 +228,7 @@ def test_below_the_minimum_the_survivor_waits_with_its_state_for_a_joiner(tmp_pa
     until node C (127.0.0.4) joins; then A hands its state to the world A + C and the job finishes there."""
     from lightning_emig.training.step_times import read_step_times
 
+    start_reference(tmp_path, TRAIN)
     port = free_port()
     run_dir = tmp_path / "run"
     args = [*TRAIN, "layout=hsdp", "data.ledger=true"]
@@ -366,6 +369,7 @@ def test_failures_at_worlds_of_four_and_three_recover_live_or_roll_back(tmp_path
     from lightning_emig.strategy.resume import is_complete
 
     layout = ["layout=hsdp"]
+    start_reference(tmp_path, _args(60, []))  # the run's arguments but the layout: what check() compares with
     run = _HeldRun(tmp_path, _args(60, layout), "20,45", "worlds-4-3")
     try:
         for name in "abcd":

@@ -35,7 +35,13 @@ from lightning_emig.testing.commands import (
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.held_train import ENV_HOLD_STEPS_FOR_JOINERS
 from lightning_emig.testing.ledger import check_ledger
-from lightning_emig.testing.nodes import assert_agents_succeed, start_node, stop_agents, worst_loss_gap
+from lightning_emig.testing.nodes import (
+    assert_agents_succeed,
+    start_node,
+    start_reference,
+    stop_agents,
+    worst_loss_gap,
+)
 from lightning_emig.testing.nodes import log_tail as _log
 from lightning_emig.testing.nodes import wait_for as _wait_for
 from lightning_emig.training.lost_time import STEADY_STEPS, events_with_lost_time
@@ -96,6 +102,7 @@ def _median_ms(seconds: list[float]) -> float:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_a_node_joins_live_training_without_restarting_the_survivor(tmp_path: Path) -> None:
+    start_reference(tmp_path, TRAIN)
     port = free_port()
     run_dir = tmp_path / "run"
     agents: dict[str, subprocess.Popen] = {}

@@ -29,6 +29,7 @@ from lightning_emig.testing.nodes import (
     assert_agents_succeed,
     log_tail,
     start_node,
+    start_reference,
     stop_agents,
     wait_for,
     worst_loss_gap,
@@ -69,6 +70,7 @@ def _held_at(tmp_path: Path, step: int, agents: dict[str, subprocess.Popen]) -> 
 def test_a_join_and_a_preemption_take_the_layouts_the_picker_chooses(tmp_path: Path) -> None:
     two = _picked(2, current=HybridLayout(dp_shard=1))
     assert two != layout_for_new_world(HybridLayout(), 2), "the picker agrees with the fixed rule: nothing is shown"
+    start_reference(tmp_path, TRAIN)
     port = free_port()
     agents: dict[str, subprocess.Popen] = {}
     try:

@@ -38,6 +38,7 @@ from lightning_emig.testing.nodes import (
     assert_agents_succeed,
     log_tail,
     start_node,
+    start_reference,
     stop_agents,
     wait_for,
     worst_loss_gap,
@@ -56,6 +57,7 @@ RESTART_PATH = {"LIGHTNING_EMIG_LIVE_MEMBERSHIP": "0"}
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_a_join_under_torchrun_restarts_workers_and_resumes_from_the_newest_checkpoint(tmp_path: Path) -> None:
+    start_reference(tmp_path, TRAIN)
     port = free_port()
     run_dir = tmp_path / "run"
     agents: dict[str, subprocess.Popen] = {}

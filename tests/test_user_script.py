@@ -23,6 +23,8 @@ import json
 import os
 import signal
 import subprocess
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -58,14 +60,19 @@ ARGS = ["--max-steps", str(MAX_STEPS), "--global-batch-size", str(GLOBAL_BATCH),
 REL_TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, float]:
-    """The same script, uninterrupted, in one process (no launcher)."""
-    out = tmp_path_factory.mktemp("reference")
+def _run_reference(out: Path) -> dict[str, float]:
     result = run_command(python_module_command(EXAMPLE, *ARGS, "--out", str(out)), timeout_s=180, cwd=REPO,
                          env={"OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-4000:]
     return json.loads((out / "summary.json").read_text())["step_losses"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Future[dict[str, float]]]:
+    """The same script, uninterrupted, in one process (no launcher): its losses by step, once it has run. It runs
+    in the background while the first test's nodes train."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        yield pool.submit(_run_reference, tmp_path_factory.mktemp("reference"))
 
 
 def _start(tmp_path: Path, name: str, addr: str, port: int, *, layout: list[str], hosts_store: bool,
@@ -96,7 +103,7 @@ def _release(tmp_path: Path, step: int) -> None:
     (tmp_path / f"release-{step}").touch()
 
 
-def _check_run(tmp_path: Path, reference: dict[str, float], a_workers: list[int], since: int = 0) -> dict:
+def _check_run(tmp_path: Path, reference: Future[dict[str, float]], a_workers: list[int], since: int = 0) -> dict:
     """The invariants every run of the script must hold; returns the summary and the ledger report. ``since``: the
     step the final rank 0's process joined at (it knows the losses from there on)."""
     from lightning_emig.data.sampler import GlobalOffsetSampler
@@ -107,7 +114,8 @@ def _check_run(tmp_path: Path, reference: dict[str, float], a_workers: list[int]
     assert summary["pid"] in a_workers, "node A's worker was restarted: fit did not carry the change"
     losses = summary["step_losses"]
     assert sorted(int(k) for k in losses) == list(range(since, MAX_STEPS))
-    worst = max(abs(losses[k] - reference[k]) / abs(reference[k]) for k in losses)
+    uninterrupted = reference.result()
+    worst = max(abs(losses[k] - uninterrupted[k]) / abs(uninterrupted[k]) for k in losses)
     assert worst < REL_TOL, f"loss curve departs from the uninterrupted run by {worst:.2e} (relative)"
     config = GPTConfig()
     assert summary["tokens_seen"] == MAX_STEPS * GLOBAL_BATCH * config.seq_len, "the persistent buffer was lost"
@@ -126,7 +134,7 @@ def _print_events(events: list[dict]) -> None:
 
 
 @pytest.mark.timeout(420)
-def test_the_script_survives_a_join_and_a_preemption_in_one_fit_call(tmp_path: Path, reference: dict) -> None:
+def test_the_script_survives_a_join_and_a_preemption_in_one_fit_call(tmp_path: Path, reference: Future) -> None:
     checked = _join_then_preempt(tmp_path, reference, layout=[], processes=1)
     assert [(e["kind"], e["old_world"], e["new_world"]) for e in checked["events"]] == [("join", 1, 2),
                                                                                        ("preempt", 2, 1)]
@@ -134,7 +142,7 @@ def test_the_script_survives_a_join_and_a_preemption_in_one_fit_call(tmp_path: P
 
 
 @pytest.mark.timeout(420)
-def test_with_pipeline_stages_the_script_survives_a_join_and_a_preemption(tmp_path: Path, reference: dict) -> None:
+def test_with_pipeline_stages_the_script_survives_a_join_and_a_preemption(tmp_path: Path, reference: Future) -> None:
     # Two processes per node, two stages: pp2 on A, pp2 x dp_shard 2 once B joins, pp2 again once B has left.
     checked = _join_then_preempt(tmp_path, reference, layout=["--pp", "2"], processes=2)
     assert [(e["kind"], e["old_world"], e["new_world"]) for e in checked["events"]] == [("join", 2, 4),
@@ -144,7 +152,7 @@ def test_with_pipeline_stages_the_script_survives_a_join_and_a_preemption(tmp_pa
     assert set(checked["ledger"].dp_degrees.values()) == {1, 2}
 
 
-def _join_then_preempt(tmp_path: Path, reference: dict, *, layout: list[str], processes: int) -> dict:
+def _join_then_preempt(tmp_path: Path, reference: Future, *, layout: list[str], processes: int) -> dict:
     """A trains; B joins at step 20 and is preempted (with notice) at step 60; the run's invariants hold."""
     port = free_port()
     agents: dict[str, subprocess.Popen] = {}
@@ -175,7 +183,7 @@ def _join_then_preempt(tmp_path: Path, reference: dict, *, layout: list[str], pr
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("kill", ["worker_with_replicas", "node_without_replicas", "node_before_any_checkpoint"])
-def test_the_script_survives_a_killed_peer(tmp_path: Path, reference: dict, kill: str) -> None:
+def test_the_script_survives_a_killed_peer(tmp_path: Path, reference: Future, kill: str) -> None:
     layout = ["--dp-replicate", "2"] if kill == "worker_with_replicas" else []
     kill_at = 8 if kill == "node_before_any_checkpoint" else 25
     port = free_port()
@@ -228,7 +236,7 @@ def test_the_script_survives_a_killed_peer(tmp_path: Path, reference: dict, kill
 
 
 @pytest.mark.timeout(420)
-def test_with_etcd_the_first_node_may_be_preempted_and_another_killed(tmp_path: Path, reference: dict) -> None:
+def test_with_etcd_the_first_node_may_be_preempted_and_another_killed(tmp_path: Path, reference: Future) -> None:
     """etcd-v2 rendezvous, HSDP (two replicas on two processes): A and B train; A — the node started first, which
     would host the c10d store — is preempted at step 20 and hands its state to B; C joins B at step 40; B is killed
     whole (agent and worker) at step 60 and C rebuilds from its replica and finishes alone. No step is lost."""

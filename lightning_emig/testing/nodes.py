@@ -6,9 +6,11 @@ Each agent runs in a session of its own with its output in ``<log_dir>/<name>.lo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -101,6 +103,24 @@ def stop_agents(agents: Mapping[str, subprocess.Popen]) -> None:
 
 _references: dict[tuple[str, ...], dict[str, float]] = {}
 """Reference losses already computed in this process, by training arguments (the run is deterministic)."""
+_started: dict[tuple[str, ...], threading.Thread] = {}
+"""Reference runs started in the background by :func:`start_reference`, not yet waited for."""
+
+
+def start_reference(tmp_path: Path, train_args: Sequence[str]) -> None:
+    """Start the uninterrupted run of ``train_args`` in the background, unless it ran already: it trains while the
+    elastic run it will be compared with waits on its events, instead of after it. :func:`reference_losses` waits
+    for it (and runs it again where it failed, to report why)."""
+    key = tuple(train_args)
+    if key in _references or key in _started:
+        return
+
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            _references[key] = _run_reference(tmp_path, train_args)
+
+    _started[key] = threading.Thread(target=run, name="reference run", daemon=True)
+    _started[key].start()
 
 
 def reference_losses(tmp_path: Path, train_args: Sequence[str]) -> dict[str, float]:
@@ -108,6 +128,9 @@ def reference_losses(tmp_path: Path, train_args: Sequence[str]) -> dict[str, flo
 
     Computed once per set of arguments in a test session: tests of one module compare against the same run."""
     key = tuple(train_args)
+    started = _started.pop(key, None)
+    if started is not None:
+        started.join()
     if key not in _references:
         _references[key] = _run_reference(tmp_path, train_args)
     return _references[key]
