@@ -63,6 +63,13 @@ def test_bad_config_fails_with_a_clear_message(tmp_path: Path, override: str, me
     assert message in result.stdout
 
 
+def test_the_config_loads_without_torch() -> None:
+    """Hydra composes and checks the command line before torch loads (a second, not five, for a typo)."""
+    probe = "import sys, lightning_emig.config; print(sorted(m for m in ('torch', 'lightning') if m in sys.modules))"
+    result = run_command([sys.executable, "-c", probe], timeout_s=60, cwd=REPO)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout
+
+
 def test_wandb_logs_offline_under_onestable_run_id(tmp_path: Path) -> None:
     from lightning_emig.strategy.events import stable_run_id
 

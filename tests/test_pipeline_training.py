@@ -12,6 +12,7 @@ the bound is 1e-5. The gradients are compared directly because AdamW hides a wro
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,12 +106,10 @@ def test_two_stages_train_like_fsdp(tmp_path: Path, reference_2: dict[str, Any],
     _assert_same_training(results, reference_2)
 
 
-def _train_each(rank: int, world: int, root: str, runs: list[tuple[dict[str, int], str]], steps: int, size: str
-                ) -> list[dict[str, Any]]:
-    """:func:`_train` for each (layout, schedule) in turn, in the same processes: one start-up for all of them (each
-    costs about 10 s of imports and process-group set-up on two cores)."""
-    return [_train(rank, world, str(Path(root) / str(i)), layout, schedule, None, steps, None, size)
-            for i, (layout, schedule) in enumerate(runs)]
+def _in_turn(rank: int, world: int, calls: list[tuple[Callable[..., Any], tuple[Any, ...]]]) -> list[Any]:
+    """Each ``fn(rank, world, *args)`` of ``calls`` in turn, in the same processes: one start-up for all of them
+    (each costs about 10 s of imports and process-group set-up on two cores)."""
+    return [fn(rank, world, *args) for fn, args in calls]
 
 
 @pytest.mark.timeout(600)
@@ -122,7 +121,9 @@ def test_stages_with_fsdp_tp_and_replicas_inside_train_like_fsdp(tmp_path: Path)
             ({"dp_replicate": 2, "dp_shard": 1, "pp": 2}, "1f1b"),
             ({"dp_shard": 2, "pp": 2, "pp_virtual": 2}, "interleaved_1f1b"),
             ({"dp_shard": 1, "tp": 2, "pp": 2, "pp_virtual": 2}, "interleaved_1f1b")]
-    by_rank = run_distributed(_train_each, 4, str(tmp_path), runs, STEPS, "tiny_deep", timeout_s=400)
+    calls = [(_train, (str(tmp_path / str(i)), layout, schedule, None, STEPS, None, "tiny_deep"))
+             for i, (layout, schedule) in enumerate(runs)]
+    by_rank = run_distributed(_in_turn, 4, calls, timeout_s=400)
     reference = by_rank[0][0]
     for index, (layout, _) in enumerate(runs[1:], start=1):
         name = "-".join(f"{k}{v}" for k, v in layout.items())
@@ -144,10 +145,11 @@ def test_live_changes_into_and_out_of_stages_follow_the_uninterrupted_run(tmp_pa
     changes = [(1, {"dp_shard": 2, "pp": 2}), (2, {"dp_shard": 2, "pp": 2, "pp_virtual": 2}),
                (3, {"dp_shard": 1, "pp": 4}), (4, {"dp_shard": 1, "tp": 2, "pp": 2, "pp_virtual": 2}),
                (5, {"dp_shard": 4})]
-    reference = run_distributed(_train, 4, str(tmp_path / "ref"), {"dp_shard": 4}, "gpipe", None, 7, None,
-                                "tiny_deep", timeout_s=200)[0]
-    results = run_distributed(_train, 4, str(tmp_path / "live"), {"dp_shard": 4}, "interleaved_1f1b", changes, 7,
-                              None, "tiny_deep", timeout_s=240)
+    by_rank = run_distributed(_in_turn, 4, [
+        (_train, (str(tmp_path / "ref"), {"dp_shard": 4}, "gpipe", None, 7, None, "tiny_deep")),
+        (_train, (str(tmp_path / "live"), {"dp_shard": 4}, "interleaved_1f1b", changes, 7, None, "tiny_deep")),
+    ], timeout_s=400)
+    reference, results = by_rank[0][0], [runs[1] for runs in by_rank]
     for rank, result in enumerate(results):
         assert [(e["step"], e["new_layout"].get("pp_virtual", 1)) for e in result["events"]] == \
             [(1, 1), (2, 2), (3, 1), (4, 2), (5, 1)], rank
@@ -204,10 +206,11 @@ def test_a_module_without_a_stage_is_refused() -> None:
 def test_gradient_clipping_takes_the_norm_over_every_stage(tmp_path: Path) -> None:
     """Clipped to a norm well below the first step's (0.88): every stage scales by the same, global coefficient."""
     clip = 0.2
-    reference = run_distributed(_train, 2, str(tmp_path / "ref"), {"dp_shard": 2}, "gpipe", None, 2, clip,
-                                timeout_s=200)[0]
-    results = run_distributed(_train, 2, str(tmp_path / "pp"), {"dp_shard": 1, "pp": 2}, "gpipe", None, 2, clip,
-                              timeout_s=200)
+    by_rank = run_distributed(_in_turn, 2, [
+        (_train, (str(tmp_path / "ref"), {"dp_shard": 2}, "gpipe", None, 2, clip)),
+        (_train, (str(tmp_path / "pp"), {"dp_shard": 1, "pp": 2}, "gpipe", None, 2, clip)),
+    ], timeout_s=280)
+    reference, results = by_rank[0][0], [runs[1] for runs in by_rank]
     full = torch.cat([torch.from_numpy(g).flatten() for g in reference["grads"].values()])
     clipped = {k: torch.from_numpy(v) for r in results for k, v in r["clipped"].items()}
     assert float(full.norm()) > 4 * clip, "the test needs gradients that clipping changes"
@@ -228,9 +231,11 @@ def _losses_bf16(rank: int, world: int, root: str, layout: dict[str, int], check
 def test_stages_with_bf16_compute_and_activation_checkpointing_train_like_fsdp(tmp_path: Path) -> None:
     """A stage sends bf16 activations (FSDP2 mixed precision) and recomputes its blocks in backward: the step losses
     are FSDP's (measured: identical)."""
-    reference = run_distributed(_losses_bf16, 2, str(tmp_path / "ref"), {"dp_shard": 2}, False, timeout_s=200)[0]
-    staged = run_distributed(_losses_bf16, 2, str(tmp_path / "pp"), {"dp_shard": 1, "pp": 2}, True, timeout_s=200)
-    for losses in staged:
+    by_rank = run_distributed(_in_turn, 2, [(_losses_bf16, (str(tmp_path / "ref"), {"dp_shard": 2}, False)),
+                                            (_losses_bf16, (str(tmp_path / "pp"), {"dp_shard": 1, "pp": 2}, True))],
+                              timeout_s=280)
+    reference = by_rank[0][0]
+    for losses in (runs[1] for runs in by_rank):
         assert losses == pytest.approx(reference, rel=LOSS_RTOL)
 
 
@@ -245,10 +250,12 @@ def test_a_checkpoint_written_by_stages_resumes_under_stages_and_without(tmp_pat
     kept: with each stage's own list a resume under stages lost its hyper-parameters). Resumed at step 2 under
     stages and under FSDP, the next steps equal a resume of FSDP's own checkpoint."""
     stages, fsdp = {"dp_shard": 1, "pp": 2}, {"dp_shard": 2}
-    for name, layout in (("pp", stages), ("fsdp", fsdp)):
-        run_distributed(_resume, 2, str(tmp_path / name), layout, 2, None, timeout_s=200)
-    reference = run_distributed(_resume, 2, str(tmp_path / "fsdp"), fsdp, 4, "last", timeout_s=200)[0]
     written_by_stages = str(tmp_path / "pp" / "checkpoints" / "step000002.ckpt")
-    for name, layout in (("pp_pp", stages), ("pp_fsdp", fsdp)):
-        losses = run_distributed(_resume, 2, str(tmp_path / name), layout, 4, written_by_stages, timeout_s=200)[0]
+    calls = [(_resume, (str(tmp_path / "pp"), stages, 2, None)), (_resume, (str(tmp_path / "fsdp"), fsdp, 2, None)),
+             (_resume, (str(tmp_path / "fsdp"), fsdp, 4, "last")),  # the reference: FSDP resuming its own
+             (_resume, (str(tmp_path / "pp_pp"), stages, 4, written_by_stages)),
+             (_resume, (str(tmp_path / "pp_fsdp"), fsdp, 4, written_by_stages))]
+    on_rank_0 = run_distributed(_in_turn, 2, calls, timeout_s=400)[0]
+    reference = on_rank_0[2]
+    for name, losses in zip(("pp_pp", "pp_fsdp"), on_rank_0[3:], strict=True):
         assert len(losses) == 2 and losses == pytest.approx(reference, rel=LOSS_RTOL), name

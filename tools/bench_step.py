@@ -6,6 +6,13 @@ machine noise hits both alike. A step is timed from its first micro-batch to the
 the first WARMUP steps of each run are dropped.
 
     .venv/bin/python tools/bench_step.py --model tiny --steps 12 --out bench_results/step.json
+
+``--defer`` times ours once per ``defer_grad_sync`` choice in each round (the gradient reductions that wait for a
+step's last micro-batch); ``--replicate R`` trains ours as ``R`` HSDP replicas, which Lightning's strategy cannot
+(its run is then left out):
+
+    .venv/bin/python tools/bench_step.py --world 2 --tp 1 --replicate 2 --global-batch 24 --steps 20 \\
+        --defer none replicas all --out bench_results/grad_sync.json
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from lightning_emig.layout import GRAD_SYNC_DEFERRALS
 
 WARMUP = 3
 
@@ -80,13 +89,18 @@ def _lightning_baseline_module(model_size: str, seed: int) -> Any:
     return BaselineModule(model_size=model_size, seed=seed, max_steps=10_000)
 
 
-def _run_ours(args: argparse.Namespace, world: int, root: Path) -> list[float]:
+def _our_layout(args: argparse.Namespace, world: int) -> dict[str, int]:
+    return {"dp_replicate": args.replicate, "dp_shard": world // (args.tp * args.replicate), "tp": args.tp}
+
+
+def _run_ours(args: argparse.Namespace, world: int, root: Path, defer: str) -> list[float]:
     from lightning_emig.testing.runs import quiet_lightning, tiny_config
     from lightning_emig.training.builders import build_run
 
     quiet_lightning()
-    cfg = tiny_config(layout={"dp_shard": world // args.tp, "tp": args.tp}, max_steps=args.steps,
+    cfg = tiny_config(layout=_our_layout(args, world), max_steps=args.steps,
                       global_batch_size=args.global_batch, micro_batch_size=args.micro_batch, world_size=world)
+    cfg.trainer.defer_grad_sync = defer
     cfg.model.size = args.model
     cfg.data.seq_len = args.seq_len
     parts = build_run(cfg, root)
@@ -121,10 +135,14 @@ def _run_lightning(args: argparse.Namespace, world: int, root: Path) -> list[flo
 
 
 def _bench(rank: int, world: int, args: argparse.Namespace, root: str) -> dict[str, list[float]]:
-    runs: dict[str, list[float]] = {"ours": [], "lightning": []}
+    runs: dict[str, list[float]] = {f"ours_{defer}": [] for defer in args.defer}
+    if args.replicate == 1:
+        runs["lightning"] = []
     for round_ in range(args.rounds):
-        runs["ours"] += _run_ours(args, world, Path(root) / f"ours{round_}")[WARMUP:]
-        runs["lightning"] += _run_lightning(args, world, Path(root) / f"lightning{round_}")[WARMUP:]
+        for defer in args.defer:
+            runs[f"ours_{defer}"] += _run_ours(args, world, Path(root) / f"ours_{defer}{round_}", defer)[WARMUP:]
+        if "lightning" in runs:
+            runs["lightning"] += _run_lightning(args, world, Path(root) / f"lightning{round_}")[WARMUP:]
     return runs
 
 
@@ -138,10 +156,15 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--replicate", type=int, default=1, help="HSDP replicas of ours (> 1: no Lightning run)")
+    parser.add_argument("--defer", nargs="+", default=["replicas"], choices=GRAD_SYNC_DEFERRALS,
+                        help="defer_grad_sync choices to time ours with, each in every round")
     parser.add_argument("--out", type=Path, default=Path("bench_results/step.json"))
     args = parser.parse_args()
     if args.steps <= WARMUP:
         parser.error(f"--steps must exceed the {WARMUP} warm-up steps")
+    if args.world % (args.tp * args.replicate):
+        parser.error(f"--world {args.world} is not a multiple of --tp x --replicate")
 
     import tempfile
 
@@ -149,17 +172,23 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as root:
         runs = run_distributed(_bench, args.world, args, root, timeout_s=3600)[0]
-    ours, theirs = statistics.median(runs["ours"]), statistics.median(runs["lightning"])
-    result = {
-        "model": args.model, "world": args.world, "layout": {"dp_shard": args.world // args.tp, "tp": args.tp},
+    medians = {name: statistics.median(seconds) for name, seconds in runs.items()}
+    result: dict[str, Any] = {
+        "model": args.model, "world": args.world, "layout": _our_layout(args, args.world),
         "global_batch": args.global_batch, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
-        "ours_step_seconds": runs["ours"], "lightning_step_seconds": runs["lightning"],
-        "ours_median_s": ours, "lightning_median_s": theirs, "ratio_ours_over_lightning": ours / theirs,
+        "step_seconds": runs, "median_s": medians,
     }
+    lines = [f"{name}: median step {median:.4f}s over {len(runs[name])} timed steps" for name, median in medians.items()]
+    if "lightning" in medians:
+        result["ratio_ours_over_lightning"] = {f"ours_{d}": medians[f"ours_{d}"] / medians["lightning"]
+                                               for d in args.defer}
+        lines.append(f"ours / Lightning ModelParallelStrategy: {result['ratio_ours_over_lightning']}")
+    if "none" in args.defer:
+        result["ratio_over_none"] = {f"ours_{d}": medians[f"ours_{d}"] / medians["ours_none"] for d in args.defer}
+        lines.append(f"each choice / none: {result['ratio_over_none']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    print(f"median step: ours {ours:.4f}s, Lightning ModelParallelStrategy {theirs:.4f}s, "
-          f"ratio {ours / theirs:.3f} ({len(runs['ours'])} vs {len(runs['lightning'])} timed steps) -> {args.out}")
+    print("\n".join(lines) + f"\n-> {args.out}")
 
 
 if __name__ == "__main__":

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch.optim.lr_scheduler import LambdaLR
+if TYPE_CHECKING:  # torch is imported where it is used: the config (OptimConfig) loads without it, so a bad
+    # command line fails in a second, before torch would have loaded
+    import torch
+    from torch.optim.lr_scheduler import LambdaLR
 
 
 @dataclass(kw_only=True, slots=True)
@@ -32,6 +35,8 @@ class OptimConfig:
 
 
 def build_adamw(params: object, cfg: OptimConfig) -> torch.optim.AdamW:
+    import torch
+
     return torch.optim.AdamW(
         params,  # type: ignore[arg-type]
         lr=cfg.lr,
@@ -51,6 +56,8 @@ def warmup_cosine_factor(step: int, *, warmup_steps: int, max_steps: int, min_lr
 
 
 def build_warmup_cosine(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int) -> LambdaLR:
+    from torch.optim.lr_scheduler import LambdaLR
+
     def factor(step: int) -> float:
         return warmup_cosine_factor(
             step, warmup_steps=cfg.warmup_steps, max_steps=max_steps, min_lr_ratio=cfg.min_lr_ratio
