@@ -67,6 +67,12 @@ GRAD_SYNC_DEFERRALS: tuple[str, ...] = ("replicas", "all", "none")
 model): the all-reduce across HSDP replicas, also the reduce-scatter, or none (see
 :mod:`lightning_emig.strategy.grad_sync`)."""
 
+
+def deferred_grad_sync(layout: HybridLayout, defer: str) -> str:
+    """What a step of ``layout`` trained with ``defer_grad_sync=defer`` leaves to its last micro-batch: under
+    ``pp > 1`` torch's pipeline schedule defers every reduction of an FSDP2 stage itself (``"all"``)."""
+    return "all" if layout.pp > 1 else defer
+
 #: The schedules that run several stages per process (``pp_virtual > 1``).
 MULTI_STAGE_SCHEDULES: tuple[str, ...] = ("interleaved_1f1b",)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from lightning_emig.layout import deferred_grad_sync
 from lightning_emig.picker.shapes import ParamCounts, param_counts
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ def estimate_memory(
     per_micro = _activations(model, counts, layout, seq_len, micro_batch_size, mixed_precision,
                              activation_checkpointing)
     fsdp = layout.dp_replicate * layout.dp_shard > 1
-    held = fsdp and grad_accumulation > 1 and (defer_grad_sync == "all" or layout.pp > 1)
+    held = fsdp and grad_accumulation > 1 and deferred_grad_sync(layout, defer_grad_sync) == "all"
     return MemoryEstimate(
         parameters=FP32 * sharded,
         gradients=FP32 * (local if held else sharded),

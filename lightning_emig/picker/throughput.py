@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightning_emig.layout import deferred_grad_sync
 from lightning_emig.picker.memory import COMPUTE_BYTES, FP32
 from lightning_emig.picker.shapes import ParamCounts, param_counts
 
@@ -145,7 +146,7 @@ def estimate_step_time(
                / (layout.tp * layout.pp * profile.flops(mixed_precision)))
     tp = _tensor_parallel(model, layout, tokens, devices_per_node, profile, mixed_precision, activation_checkpointing)
     traffic = _data_parallel(counts, layout, devices_per_node, profile, mixed_precision)
-    deferred = "all" if layout.pp > 1 else defer_grad_sync
+    deferred = deferred_grad_sync(layout, defer_grad_sync)
     scatters = 1 if deferred == "all" else grad_accumulation
     all_reduces = grad_accumulation if deferred == "none" else 1
     dp = (grad_accumulation * traffic.gather + scatters * traffic.reduce_scatter
