@@ -107,6 +107,7 @@ def test_a_schedule_keeps_the_jobs_limits(seed: int, events: int) -> None:
 # --- the runs ------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.long  # each event kind it draws has its own test; the schedules: the test above
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(1200)

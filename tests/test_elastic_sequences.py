@@ -292,6 +292,7 @@ def test_a_join_while_a_migration_is_running(tmp_path: Path) -> None:
 # --- 3. a round while a worker started by the previous one is still starting -------------------------------------
 
 
+@pytest.mark.long  # rounds overlapping a join: the migration-running case above; every sequence: the chaos run
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
@@ -318,6 +319,7 @@ def test_a_second_join_while_the_first_joiner_is_still_starting(tmp_path: Path) 
     assert [(e["kind"], e["old_world"], e["new_world"], e["generation"]) for e in events] == [("join", 1, 3, 2)], events
 
 
+@pytest.mark.long  # a drain with a join: the quick-succession case above
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
@@ -366,6 +368,7 @@ def _join_with_a_dying_worker(tmp_path: Path, die: str, *, rdzv_id: str) -> tupl
     return nodes, a_workers
 
 
+@pytest.mark.long  # a joiner's death: test_user_script's killed peers
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
@@ -382,6 +385,7 @@ def test_a_joiner_that_dies_before_the_state_moves_costs_no_rollback(tmp_path: P
     assert events[0]["generation"] >= 3, events  # B's first generation failed; A's own came after it
 
 
+@pytest.mark.long  # a failure after a join: test_user_script's killed peers
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
@@ -409,6 +413,7 @@ def test_a_joiner_that_dies_right_after_the_state_moved_is_a_failure_after_a_joi
 # --- 6. a node that joins in the last steps ------------------------------------------------------------------------
 
 
+@pytest.mark.long  # a late join: the join cases above
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)

@@ -172,6 +172,7 @@ def _check_losses_and_ledger(tmp_path: Path, run_dir: Path, a_workers: list[int]
     return {"summary": summary, "ledger": report, "worst": worst}
 
 
+@pytest.mark.long  # a node lost whole: test_user_script's killed node
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
@@ -220,6 +221,7 @@ def test_a_node_with_no_restart_left_leaves_the_job_open_for_a_new_node(tmp_path
     assert checked["summary"]["world_size"] == 2
 
 
+@pytest.mark.long  # a survivor's held state: test_user_script's killed peers
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
@@ -357,6 +359,7 @@ def _args(steps: int, layout: list[str]) -> list[str]:
             "trainer.global_batch_size=24", f"trainer.max_steps={steps}", *layout, "data.ledger=true"]
 
 
+@pytest.mark.long  # rebuild from replicas and rollback: test_user_script's killed peers
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(480)

@@ -69,6 +69,7 @@ def test_the_survivors_generation_never_hides_one_the_agents_published_during_th
     assert went_into == {"nothing": 1, "a join": 1}.get(meanwhile, 3)
 
 
+@pytest.mark.long  # a notice: test_user_script's preemption; a drain racing a round: the test above
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)

@@ -141,6 +141,7 @@ def test_the_script_survives_a_join_and_a_preemption_in_one_fit_call(tmp_path: P
     assert set(checked["ledger"].dp_degrees.values()) == {1, 2}
 
 
+@pytest.mark.long  # live changes into and out of stages: test_pipeline_training.py
 @pytest.mark.timeout(420)
 def test_with_pipeline_stages_the_script_survives_a_join_and_a_preemption(tmp_path: Path, reference: Future) -> None:
     # Two processes per node, two stages: pp2 on A, pp2 x dp_shard 2 once B joins, pp2 again once B has left.
@@ -182,7 +183,8 @@ def _join_then_preempt(tmp_path: Path, reference: Future, *, layout: list[str], 
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("kill", ["worker_with_replicas", "node_without_replicas", "node_before_any_checkpoint"])
+@pytest.mark.parametrize("kill", ["worker_with_replicas", "node_without_replicas",
+                                  pytest.param("node_before_any_checkpoint", marks=pytest.mark.long)])
 def test_the_script_survives_a_killed_peer(tmp_path: Path, reference: Future, kill: str) -> None:
     layout = ["--dp-replicate", "2"] if kill == "worker_with_replicas" else []
     kill_at = 8 if kill == "node_before_any_checkpoint" else 25
