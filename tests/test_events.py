@@ -69,7 +69,7 @@ def _publish_one_event_per_trainer(rank: int, world: int, root: str, events: lis
     run_ids = []
     for kind, step in events:
         parts = build_run(cfg, Path(root))
-        parts.strategy._record_event(parts.trainer, _event(kind, step))  # noqa: SLF001 - the strategy's own seam
+        parts.strategy.record_event(parts.trainer, _event(kind, step))
         run_ids += [lg.experiment.id for lg in parts.trainer.loggers if isinstance(lg, WandbLogger)]
     wandb.finish()
     return {"run_ids": run_ids, "lines": lines}

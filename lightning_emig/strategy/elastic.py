@@ -486,9 +486,11 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         self.last_boundary = None  # its tensors are released by the change; the next boundary captures anew
         event = reconfigure_live(self, trainer, layout)
         if event is not None:
-            self._record_event(trainer, event)
+            self.record_event(trainer, event)
 
-    def _record_event(self, trainer: pl.Trainer, event: ReconfigureEvent) -> None:
+    def record_event(self, trainer: pl.Trainer, event: ReconfigureEvent) -> None:
+        """Keep ``event`` in :attr:`events` and, on global rank 0, publish it (``events.jsonl``, the loggers); every
+        kind of change comes through here, a restart's from the step-time recorder."""
         choice = self.layout_choice
         if choice is not None and choice.layout.as_dict() == event.new_layout:
             event.layout_choice = choice.record()  # the picker chose this fit's layout: why, in its words
@@ -772,7 +774,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         prior, handoff.prior = handoff.prior, None
         assert prior is not None
         seconds = {**handoff.seconds, **prior.seconds, "below_min_wait": waited}
-        self._record_event(trainer, ReconfigureEvent.of(dataclasses.replace(prior, seconds=seconds),
+        self.record_event(trainer, ReconfigureEvent.of(dataclasses.replace(prior, seconds=seconds),
                                                         generation=handoff.generation))
         handoff.seconds = {"below_min_wait": waited}
 
@@ -795,7 +797,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
                             "before any state moved", self.world_size, time.time() - last_step_wall)
             return
         downtime = None if interrupted else time.time() - last_step_wall
-        self._record_event(trainer, ReconfigureEvent.of(record, generation=self.generation, downtime_seconds=downtime))
+        self.record_event(trainer, ReconfigureEvent.of(record, generation=self.generation, downtime_seconds=downtime))
 
     @override
     def on_train_start(self) -> None:

@@ -92,7 +92,7 @@ class StepTimeRecorder(Callback):
         if resumed is not None:
             strategy.resumed_from = None
             if resumed.restart_reason is not None and self._previous is not None:
-                strategy._record_event(trainer, self._restart_event(strategy, resumed, now))  # noqa: SLF001
+                strategy.record_event(trainer, self._restart_event(strategy, resumed, now))
         self._report_lost_time(trainer, strategy)
 
     def _report_lost_time(self, trainer: pl.Trainer, strategy: Any) -> None:
