@@ -16,6 +16,9 @@ runs, the median reported (``samples`` lists them).
 * ``dcp_tmpfs``: the same through a directory in ``/dev/shm``.
 * ``dcp_load``: only the load-with-reshard from disk, the checkpoint already written (untimed) before: the restart
   path's cost when an asynchronous checkpoint of exactly this step exists.
+* ``dcp_disk_cold``, ``dcp_load_cold``: the same two, but the checkpoint's files are evicted from the page cache
+  between the save and the load (``posix_fadvise(DONTNEED)`` on the fsynced files, untimed), so the load reads them
+  from the device, as a node that did not write them (a joiner, a replacement) or one whose cache they left would.
 * ``gather_bcast``: every tensor made full (``DTensor.full_tensor``, as ``get_state_dict(full_state_dict=True)`` does)
   and kept on rank 0, then broadcast tensor by tensor from rank 0 to the new ranks, each of which keeps its own slice
   (``distribute_tensor(src_data_rank=None)``, as ``set_state_dict(broadcast_from_rank0=True)`` does). It runs last
@@ -358,11 +361,29 @@ def _memory_run(ctx: Ctx) -> dict[str, Any]:
     return facts
 
 
-def _dcp(ctx: Ctx, directory: str) -> dict[str, Any]:
+def _dcp(ctx: Ctx, directory: str, cold: bool = False) -> dict[str, Any]:
     info = _dcp_save(ctx, directory)
+    evict = _evict_page_cache(ctx, directory) if cold else 0.0
     loaded = _dcp_load(ctx, directory)
     return {"phases": {**info["phases"], **loaded["phases"]}, "bytes_written": info["bytes_written"],
-            "bytes_read": loaded["bytes_read"]}
+            "bytes_read": loaded["bytes_read"], "evict_seconds": evict}
+
+
+def _evict_page_cache(ctx: Ctx, directory: str) -> float:
+    """Drop the checkpoint's files from the page cache (rank 0 for the machine; fsynced by the save, so their pages
+    are clean and go); returns the seconds it took, barrier to barrier, which the caller leaves out of the time."""
+    start = time.perf_counter()
+    dist.barrier()
+    if ctx.rank == 0:
+        for path in Path(directory).rglob("*"):
+            if path.is_file():
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+    dist.barrier()
+    return time.perf_counter() - start
 
 
 def _dcp_save(ctx: Ctx, directory: str) -> dict[str, Any]:
@@ -491,12 +512,16 @@ def _run_method(ctx: Ctx, method: str, catalog: list, workdir: str) -> list[list
         else:
             if ctx.rank == 0:
                 shutil.rmtree(workdir, ignore_errors=True)
-            if method == "dcp_load":
+            cold = method.endswith("_cold")
+            if method.startswith("dcp_load"):
                 written = _dcp_save(ctx, workdir)
+                if cold:
+                    _evict_page_cache(ctx, workdir)
                 info = _measure(_dcp_load, ctx, workdir)
                 info["bytes_written"] = written["bytes_written"]
             else:
-                info = _measure(_dcp, ctx, workdir)
+                info = _measure(_dcp, ctx, workdir, cold)
+                info["seconds"] -= info.pop("evict_seconds")  # not part of a save or a load
             if ctx.rank == 0:
                 shutil.rmtree(workdir, ignore_errors=True)
         info["bad"] = check_pattern(ctx.new, ctx.rank) if ctx.new is not None else None
@@ -556,7 +581,7 @@ def _record(
     else:
         written = sum(i["bytes_written"] for i in per_rank)
         read = sum(i["bytes_read"] for i in per_rank)
-        record.update(bytes_moved=read if method == "dcp_load" else written + read, bytes_written=written)
+        record.update(bytes_moved=read if method.startswith("dcp_load") else written + read, bytes_written=written)
         record["peak_extra_bytes"] = record["peak_rss_extra_bytes"] + (
             written if method == "dcp_tmpfs" else 0
         )
@@ -621,10 +646,10 @@ def _bench_transition(
     for method in args["methods"]:
         if method == "gather_bcast" and staged:
             # Its catalog walk assumes every old process holds every tensor; with stages each holds its own.
-            _log(rank, f"  {method:12s} skipped: not built for pipeline stages")
+            _log(rank, f"  {method:14s} skipped: not built for pipeline stages")
             continue
-        workdir = os.path.join(
-            args["disk_dir" if method == "dcp_disk" else "tmpfs_dir"], f"bench-mig-{os.getppid()}"
+        workdir = os.path.join(  # every DCP method on disk but the one named for tmpfs
+            args["tmpfs_dir" if method == "dcp_tmpfs" else "disk_dir"], f"bench-mig-{os.getppid()}"
         )
         runs = _run_method(ctx, method, catalog, workdir)
         record = {**common, **_record(method, runs, args["bucket_bytes"], common["state_bytes"])}
@@ -639,13 +664,13 @@ def _bench_transition(
                 record["bit_exact"] = record["bit_exact"] and bad is None
         records.append(record)
         phases = ", ".join(f"{k}={v:.3f}" for k, v in record["phases"].items())
-        _log(rank, f"  {method:12s} {record['seconds']:8.3f}s exact={record['bit_exact']} {phases}")
+        _log(rank, f"  {method:14s} {record['seconds']:8.3f}s exact={record['bit_exact']} {phases}")
     del ctx, old, new
     memory.trim()
     link = None
     if traffic is not None:  # the models are freed first: the raw buffers are as large as the traffic
         link = max(_all_gather(statistics.median(_link_limit(*traffic, args["repeats"]))))
-        _log(rank, f"  {'link limit':12s} {link:8.3f}s")
+        _log(rank, f"  {'link limit':14s} {link:8.3f}s")
     for record in records:
         record["link_limit_seconds"] = link
     return records
