@@ -73,6 +73,7 @@ def deferred_grad_sync(layout: HybridLayout, defer: str) -> str:
     ``pp > 1`` torch's pipeline schedule defers every reduction of an FSDP2 stage itself (``"all"``)."""
     return "all" if layout.pp > 1 else defer
 
+
 #: The schedules that run several stages per process (``pp_virtual > 1``).
 MULTI_STAGE_SCHEDULES: tuple[str, ...] = ("interleaved_1f1b",)
 

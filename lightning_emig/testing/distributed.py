@@ -22,7 +22,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-PRELOADED = ("torch", "torch.distributed.fsdp", "torch.distributed.tensor", "lightning.pytorch", "lightning_emig.strategy")
+PRELOADED = (
+    "torch", "torch.distributed.fsdp", "torch.distributed.tensor", "lightning.pytorch", "lightning_emig.strategy",
+)
 """What the fork server imports before it forks any worker (what every worker would import anyway)."""
 
 
