@@ -8,8 +8,9 @@ failure, never a hung suite.
 
 Workers are forked from a fork server that imported torch, Lightning and this package once per test session
 (:data:`PRELOADED`): a spawned interpreter spends about 8 s of CPU importing them, which on two cores was most of
-a short multi-process test. A forked worker starts from the server's state, not the caller's, so it is handed the
-caller's environment and working directory explicitly: what it sees is what a spawned one would.
+a short multi-process test. A forked worker starts from the server's environment, not the caller's, so it is
+handed the caller's explicitly (multiprocessing already gives it the caller's working directory and ``sys.path``):
+what it sees is what a spawned one would.
 """
 
 from __future__ import annotations
@@ -48,14 +49,12 @@ def _worker(
     args: tuple[Any, ...],
     results: Any,
     environ: dict[str, str],
-    cwd: str,
 ) -> None:
     import torch
     import torch.distributed as dist
 
     os.environ.clear()
     os.environ.update(environ)
-    os.chdir(cwd)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -95,11 +94,10 @@ def run_distributed(
     ctx = _context(backend)
     results = ctx.Queue()
     port = free_port()
-    environ, cwd = dict(os.environ), os.getcwd()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(rank, world_size, port, backend, pg_timeout_s, fn, args, results, environ, cwd),
+            args=(rank, world_size, port, backend, pg_timeout_s, fn, args, results, dict(os.environ)),
             daemon=True,
         )
         for rank in range(world_size)
