@@ -1,5 +1,6 @@
-"""The multi-process harness (:mod:`lightning_emig.testing.distributed`): workers fork from a server started by an
-earlier call, yet see the caller's environment and working directory as they are at each call."""
+"""The multi-process harness (:mod:`lightning_emig.testing.distributed`): workers fork from a server
+started by an earlier call, yet see the caller's environment and working directory as they are at each
+call."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def _seen(rank: int, world: int) -> tuple[str | None, str]:
 
 def test_workers_see_the_environment_and_directory_of_the_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                                                ) -> None:
-    run_distributed(_seen, 2, timeout_s=120)  # the fork server runs from here on, started without the variable
+    run_distributed(_seen, 2, timeout_s=120)  # the fork server runs from here on, without the variable
     monkeypatch.setenv(VARIABLE, "set after the server started")
     monkeypatch.chdir(tmp_path)
     assert run_distributed(_seen, 2, timeout_s=120) == [("set after the server started", str(tmp_path))] * 2

@@ -7,10 +7,10 @@ passes, and re-raises the first worker failure with that worker's traceback, so 
 failure, never a hung suite.
 
 Workers are forked from a fork server that imported torch, Lightning and this package once per test session
-(:data:`PRELOADED`): a spawned interpreter spends about 8 s of CPU importing them, which on two cores was most of
-a short multi-process test. A forked worker starts from the server's environment, not the caller's, so it is
-handed the caller's explicitly (multiprocessing already gives it the caller's working directory and ``sys.path``):
-what it sees is what a spawned one would.
+(:data:`PRELOADED`): a spawned interpreter spends about 8 s of CPU importing them, which on two cores was most
+of a short multi-process test. A forked worker starts from the server's environment, not the caller's, so it
+is handed the caller's explicitly (multiprocessing already gives it the caller's working directory and
+``sys.path``): what it sees is what a spawned one would.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from datetime import timedelta
 from typing import Any
 
 PRELOADED = (
-    "torch", "torch.distributed.fsdp", "torch.distributed.tensor", "lightning.pytorch", "lightning_emig.strategy",
+    "torch", "torch.distributed.fsdp", "torch.distributed.tensor", "lightning.pytorch",
+    "lightning_emig.strategy",
 )
 """What the fork server imports before it forks any worker (what every worker would import anyway)."""
 
@@ -116,8 +117,8 @@ def run_distributed(
 def _context(backend: str) -> Any:
     """The fork server's context (started on first use with :data:`PRELOADED`; it exits with this process).
 
-    NCCL workers are spawned instead: CUDA cannot be used after a fork from a process that initialised it, and a
-    preloaded module may have."""
+    NCCL workers are spawned instead: CUDA cannot be used after a fork from a process that initialised it, and
+    a preloaded module may have."""
     if backend == "nccl":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
