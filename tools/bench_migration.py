@@ -88,6 +88,7 @@ from lightning_emig.layout import (
     DEFAULT_RANK_ORDER,
     SHORT_LETTERS,
     HybridLayout,
+    LayoutError,
     LayoutMesh,
     build_mesh,
     degrees_from_short,
@@ -676,6 +677,22 @@ def _bench_transition(
     return records
 
 
+def transitions_for(model_name: str, transitions: list[Transition]) -> tuple[list[Transition], list[str]]:
+    """The transitions ``model_name`` can take (both sides valid for its shape), and why each other one cannot
+    (e.g. ``tiny``'s two blocks cannot make four pipeline stages)."""
+    config = get_model_config(model_name)
+    kept, skipped = [], []
+    for t in transitions:
+        try:
+            for side, world in ((t.old, t.old_world), (t.new, t.new_world)):
+                config.validate_layout(HybridLayout(**side).resolve(world))
+        except LayoutError as error:
+            skipped.append(f"{model_name} {t.name}: {error}")
+        else:
+            kept.append(t)
+    return kept, skipped
+
+
 def _subgroup(size: int, cache: dict) -> Any:
     """A process group over processes ``0..size-1`` (None: the whole world); created once, on every process."""
     if size == dist.get_world_size():
@@ -689,8 +706,8 @@ def _worker(rank: int, world: int, args: dict[str, Any]) -> list[dict[str, Any]]
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     cache: dict[Any, Any] = {}
     records: list[dict[str, Any]] = []
-    for model_name in args["models"]:
-        for t in args["transitions"]:
+    for model_name, transitions in args["transitions_by_model"].items():
+        for t in transitions:
             records += _bench_transition(rank, model_name, t, args, cache)
             if rank == 0:  # after every transition, so a stopped run keeps what it measured
                 Path(args["out"]).write_text(json.dumps(records, indent=1))
@@ -724,9 +741,15 @@ def main() -> None:
         if unknown:
             parser.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
         out.parent.mkdir(parents=True, exist_ok=True)
+        transitions = parse_transitions(args.transitions, args.world)
+        by_model, skipped = {}, []
+        for model_name in filter(None, args.models.split(",")):
+            by_model[model_name], cannot = transitions_for(model_name, transitions)
+            skipped += cannot
+        for reason in skipped:
+            print(f"skipped {reason}", flush=True)
         config = {
-            "models": [m for m in args.models.split(",") if m],
-            "transitions": parse_transitions(args.transitions, args.world),
+            "transitions_by_model": by_model,
             "methods": sorted(methods, key=METHODS.index),  # gather_bcast last: it frees the old state
             "bucket_bytes": int(args.bucket_mb * 2**20),
             "repeats": max(1, args.repeats),
