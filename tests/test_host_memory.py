@@ -42,6 +42,31 @@ def test_warmed_pages_are_reused_by_later_tensors() -> None:
     assert warm < 32 * MiB, f"the warmed heap should hold the tensor: grew {warm / MiB:.0f} MiB"
 
 
+# Resident growth while the main thread writes a 128 MiB tensor after another thread (as gloo's, which run the
+# collectives) wrote and freed a larger one (a freed block exactly as large may not take the next aligned request).
+_AFTER_THREAD = textwrap.dedent("""
+    import json, threading, torch
+    from lightning_emig import host_memory
+    host_memory.keep_freed_host_memory()
+    thread = threading.Thread(target=lambda: torch.ones(40 << 20).sum())
+    thread.start()
+    thread.join()
+    before = host_memory.resident_bytes()
+    state = torch.ones(32 << 20)
+    print(json.dumps({"growth": host_memory.resident_bytes() - before}))
+""")
+
+
+@pytest.mark.skipif(host_memory.resident_bytes() is None or not sys.platform.startswith("linux"),
+                    reason="needs /proc and glibc")
+def test_pages_another_thread_freed_are_reused() -> None:
+    result = run_command([sys.executable, "-c", _AFTER_THREAD], timeout_s=120)
+    assert result.returncode == 0, result.stdout[-2000:]
+    growth = json.loads(result.stdout.strip().splitlines()[-1])["growth"]
+    # A heap of the thread's own would have mapped its tensor apart and unmapped it when freed (grew 128 MiB).
+    assert growth < 32 * MiB, f"the thread's freed pages should hold the tensor: grew {growth / MiB:.0f} MiB"
+
+
 def test_the_holders_publish_their_own_peak_and_state_share() -> None:
     store = dist.HashStore()
     assert admission.memory_to_warm(store, 2) == 0  # nothing published: nothing to warm
