@@ -2,11 +2,15 @@
 what stays on this process, and the release of old shards once nothing reads them.
 
 Why it is bound to the rounds: a local copy runs in the round that last reads its source, while that round's
-messages are on the wire as far as the round's memory budget allows (its messages' bytes, the copies and the
-released bytes not yet returned to the OS stay within ``bucket_bytes``), the rest once the messages landed, each
-source freed right after its copy. On the CPU, released pages go back to the OS in lots: model shards are mostly a
-few MiB, below glibc's mmap threshold, so a freed one would otherwise stay resident in the heap while the new
-state's pages pile up on top of it.
+messages are on the wire as far as the round's memory budget allows (its messages' bytes and the copies stay within
+``bucket_bytes``), the rest once the messages landed, each source freed right after its copy.
+
+On the CPU, freed shards stay in the heap (an elastic worker keeps freed pages for the next step), so the process's
+resident memory is what bounds a change, and it is checked before every write into new pages: freed pages go back
+to the OS only when the write would take the process above its ceiling (what it held when the transfer began plus
+the change's bound). Returning them sooner, at every few freed MiB, also returned the pages the training step had
+just used: the first step after a join faulted them in again (``llama_125m``, the survivor of a 1 -> 2 join: 3.5
+GiB of page faults in the change and its first step; none with the freed pages kept).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any
 
 import torch
 
-from lightning_emig.host_memory import return_freed_host_memory
+from lightning_emig.host_memory import resident_bytes, return_freed_host_memory
 from lightning_emig.migration.planner import RankPlan, Transfer
 
 Round = tuple[dict[int, list[Transfer]], dict[int, list[Transfer]]]
@@ -41,43 +45,36 @@ class FirstError:
 
 
 class Releases:
-    """Old shards leave as soon as nothing reads them, and on the CPU their pages go back to the OS before the new
-    state's pages pile up on top of them (``reclaim``): the bound on a change's peak memory.
-
-    A trim costs a few ms, so released bytes are trimmed in lots of ``lot_bytes``; the lot is taken out of what a
-    round's local copies may write while its messages are on the wire (:meth:`copy_slack`).
+    """Old shards leave as soon as nothing reads them; on the CPU (``reclaim``) their pages go back to the OS only
+    when the process needs the room: :meth:`make_room` before every write into new pages keeps its resident memory
+    under ``ceiling`` bytes (the bound on a change's peak memory).
     """
 
-    def __init__(self, old: dict[str, torch.Tensor], on_release: Callable[[str], None] | None, local: FirstError,
-                 *, reclaim: bool, bucket_bytes: int) -> None:
-        self.old = old
+    def __init__(self, on_release: Callable[[str], None] | None, local: FirstError, *, reclaim: bool,
+                 ceiling: int | None) -> None:
         self.on_release = on_release or (lambda key: None)
         self.local = local
         self.reclaim = reclaim
-        self.bucket_bytes = bucket_bytes
-        self.lot_bytes = min(bucket_bytes // 8, 64 << 20)
-        self.pending = 0
+        self.ceiling = ceiling
+        """Resident bytes the transfer stays under; None where the process's memory cannot be read (then freed
+        pages go back before every write)."""
+        self.freed_since_trim = False
+        self.trims = 0
 
-    def copy_slack(self, on_wire: Round) -> int | None:
-        """Bytes of local copies a round may write while its sources are still held (None: no limit, where old
-        state is not released or memory is not returned): the budget left by its messages and one lot."""
-        if not self.reclaim:
-            return None
-        wire_bytes = sum(t.nbytes for buckets in on_wire for bucket in buckets.values() for t in bucket)
-        return max(0, self.bucket_bytes - wire_bytes - self.lot_bytes)
-
-    def free(self, key: str, *, in_lots: bool = True) -> None:
-        """Release ``old[key]``; return the released pages once a lot has gathered (unless ``in_lots`` is false)."""
-        tensor = self.old[key]
+    def free(self, key: str) -> None:
+        """Release ``old[key]`` (its pages stay in the heap until :meth:`make_room` needs them)."""
         self.local.run(self.on_release, key)
-        self.pending += tensor.numel() * tensor.element_size()
-        if in_lots and self.pending >= self.lot_bytes:
-            self.flush()
+        self.freed_since_trim = True
 
-    def flush(self) -> None:
-        if self.reclaim and self.pending:
+    def make_room(self, nbytes: int) -> None:
+        """Before up to ``nbytes`` land in new pages: return freed pages if the process would outgrow its ceiling."""
+        if not (self.reclaim and self.freed_since_trim):
+            return
+        resident = resident_bytes() if self.ceiling is not None else None
+        if resident is None or resident + nbytes > self.ceiling:
             return_freed_host_memory()
-        self.pending = 0
+            self.freed_since_trim = False
+            self.trims += 1
 
 
 class LocalWork:
@@ -85,8 +82,12 @@ class LocalWork:
     travel, :meth:`after_wait` once they landed."""
 
     def __init__(self, plan: RankPlan, last_read: dict[int, list[str]], old: dict[str, torch.Tensor],
-                 new: dict[str, torch.Tensor], releases: Releases, local: FirstError) -> None:
+                 new: dict[str, torch.Tensor], releases: Releases, local: FirstError, *, budget: int) -> None:
         self.last_read = last_read
+        self.budget = budget
+        """Bytes a round's messages and the copies run while they travel may write together."""
+        self.wire = 0
+        """Bytes of the round on the wire (they may still land while a copy outside the budget runs)."""
         self.copies = _copies_by_round(plan, last_read)
         self.old, self.new = old, new
         self.releases = releases
@@ -96,7 +97,12 @@ class LocalWork:
         self.deferred: list[str] = []
         """Keys of the current round whose copies wait until its messages landed."""
 
-    def _run_copies(self, transfers: Iterable[Transfer]) -> None:
+    def _run_copies(self, transfers: Iterable[Transfer], *, make_room: bool = True) -> None:
+        """Copy, first making room for the copy's bytes and what is still on the wire (unless the round's budget
+        already holds them)."""
+        transfers = list(transfers)
+        if make_room:
+            self.releases.make_room(sum(t.nbytes for t in transfers) + self.wire)
         started = time.perf_counter()
         self.bytes_copied += self.local.run(_copy, transfers, self.old, self.new) or 0
         self.seconds_copy += time.perf_counter() - started
@@ -104,37 +110,41 @@ class LocalWork:
     def on_wire(self, round_index: int, on_wire: Round | None) -> None:
         """Copies while round ``round_index``'s messages (``on_wire``) travel, within what they leave of the budget;
         the rest are deferred to :meth:`after_wait`. ``None``: a transfer with no rounds, where every copy runs."""
+        self.wire = 0 if on_wire is None else _wire_bytes(on_wire)
         if round_index == 0:  # sources no round reads (copied locally, or not needed): copy, then free at once
             for key in self.last_read.get(-1, ()):
                 self._run_copies(self.copies.get(-1, {}).get(key, ()))
                 self.releases.free(key)
-        slack = None if on_wire is None else self.releases.copy_slack(on_wire)
+        slack = None if on_wire is None or not self.releases.reclaim else self.budget - self.wire
         written = 0
         for key, transfers in self.copies.get(round_index, {}).items():
             size = sum(t.nbytes for t in transfers)
             if slack is not None and written + size > slack:
                 self.deferred.append(key)
                 continue
-            self._run_copies(transfers)
+            self._run_copies(transfers, make_room=False)  # within the room made for the round
             written += size
 
-    def after_wait(self, round_index: int, *, last: bool) -> None:
-        """Free what the round read last, then run its deferred copies, each source freed after its copy.
+    def before_round(self) -> None:
+        """Room for what a round writes into new pages: its messages and the copies it runs on the wire (within
+        ``budget`` together)."""
+        self.releases.make_room(self.budget)
 
-        After the last round nothing new comes in, so its releases stay in the heap for the next step (a trim
-        cannot lower a peak already reached, and the step would fault the pages in again)."""
+    def after_wait(self, round_index: int) -> None:
+        """Free what the round read last, then run its deferred copies, each source freed after its copy."""
+        self.wire = 0
         deferred, self.deferred = self.deferred, []
         waiting = set(deferred)
         for key in self.last_read.get(round_index, ()):
             if key not in waiting:
-                self.releases.free(key, in_lots=not last)
-        if deferred:
-            self.releases.flush()
+                self.releases.free(key)
         for key in deferred:
             self._run_copies(self.copies[round_index][key])
             self.releases.free(key)
-        if not last:
-            self.releases.flush()
+
+
+def _wire_bytes(on_wire: Round) -> int:
+    return sum(t.nbytes for buckets in on_wire for bucket in buckets.values() for t in bucket)
 
 
 def _copy(transfers: Iterable[Transfer], old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> int:

@@ -20,7 +20,8 @@ Invariants:
 * bounded memory of the state itself: local copies run in the round that last reads their source, within what
   the round's messages leave of ``bucket_bytes`` (:mod:`lightning_emig.migration.local_side`); old state is
   released (``on_release(key)``) right after the round that last reads it, and on the CPU released pages go back to
-  the OS in lots; new storage that is allocated but not yet written costs no memory (untouched pages), so a process
+  the OS when the next write into new pages would otherwise take the process above what it held at the start plus
+  the bound; new storage that is allocated but not yet written costs no memory (untouched pages), so a process
   holds at most max(old, new) + ``bucket_bytes`` + one tensor's shard at any time;
 * with ``checksum=True`` each message carries a CRC32 of its bytes; a mismatch raises
   :class:`ChecksumMismatchError` once every round has run (so no peer is left waiting in a later round), and the
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from lightning_emig.host_memory import resident_bytes
 from lightning_emig.migration.geometry import ShardBox
 from lightning_emig.migration.local_side import FirstError, LocalWork, Releases, Round
 from lightning_emig.migration.planner import RankPlan, Transfer
@@ -76,6 +78,8 @@ class TransferStats:
     """Bytes sent from or received into the live tensors without staging."""
     peak_buffer_bytes: int = 0
     """Largest send + receive buffer space allocated in one round (the extra memory of the transfer)."""
+    trims: int = 0
+    """Times freed pages went back to the OS to keep the process under its ceiling (CPU)."""
     seconds_copy: float = 0.0
     seconds_transfer: float = 0.0
     per_peer_bytes: dict[int, int] = field(default_factory=dict)
@@ -262,9 +266,10 @@ def run_transfer(
     arenas = _arenas(schedule, old, new, device, in_place, options.in_place_min_bytes)
     # The arenas are the transfer's extra memory: at most the largest round's sends plus its receives.
     stats.peak_buffer_bytes = sum(arena.buffer.numel() for arena in arenas)
-    releases = Releases(old, on_release, local, reclaim=on_release is not None and device.type == "cpu",
-                        bucket_bytes=options.bucket_bytes)
-    work = LocalWork(plan, last_read, old, new, releases, local)
+    reclaim = on_release is not None and device.type == "cpu"
+    releases = Releases(on_release, local, reclaim=reclaim,
+                        ceiling=_resident_ceiling(old, new, options.bucket_bytes) if reclaim else None)
+    work = LocalWork(plan, last_read, old, new, releases, local, budget=options.bucket_bytes)
 
     mismatch: ChecksumMismatchError | None = None
     if not schedule:
@@ -272,20 +277,29 @@ def run_transfer(
     for round_index, (sends, recvs) in enumerate(schedule):
         # After a mismatch keep running the remaining rounds: peers post them regardless, and raising now would
         # leave them blocked until the process group times out. Nothing received is trusted after a mismatch.
+        work.before_round()
         error = _run_round(
             round_index, sends, recvs, old, new, union_rank, group, options, device, stats, arenas, in_place, local,
             while_on_wire=lambda i=round_index, r=(sends, recvs): work.on_wire(i, r),
         )
         mismatch = mismatch or error
-        work.after_wait(round_index, last=round_index == len(schedule) - 1)
+        work.after_wait(round_index)
     stats.rounds = len(schedule)
     stats.bytes_copied, stats.seconds_copy = work.bytes_copied, work.seconds_copy
+    stats.trims = releases.trims
     stats.seconds_transfer = time.perf_counter() - start
     if local.error is not None:
         raise local.error
     if mismatch is not None:
         raise mismatch
     return stats
+
+
+def _resident_ceiling(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], bucket_bytes: int) -> int | None:
+    """The most resident bytes this process may hold during the transfer: what it holds now plus the change's bound
+    (None where ``/proc`` cannot tell)."""
+    resident = resident_bytes()
+    return None if resident is None else resident + memory_bound_bytes(old, new, bucket_bytes)
 
 
 def _staged_bytes(buckets: dict[int, list[Transfer]], tensors: dict[str, torch.Tensor], *, source: bool,
