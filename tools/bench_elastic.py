@@ -65,6 +65,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--events", nargs="+", default=list(EVENTS), choices=EVENTS,
                    help="join: node B joins A (1 -> 2); preempt: B's agent gets a notice (2 -> 1); failure: B's "
                         "worker is SIGKILLed under HSDP (2 -> 1 live)")
+    p.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS),
+                   help="live: the change moves the state between running workers; restart: torchrun's behaviour "
+                        "(every worker restarts from the newest checkpoint); ratios need both")
     p.add_argument("--rounds", type=int, default=1, help="live then restart, this many times per model")
     p.add_argument("--join-after", type=int, default=5, help="B starts once A finished this many steps")
     p.add_argument("--steps-after", type=int, default=4,
@@ -106,7 +109,7 @@ def main() -> None:
     for model in args.models:
         for event in args.events:
             for round_index in range(args.rounds):
-                for path in PATHS:
+                for path in args.paths:
                     record = run_event(args, event, model, path, work / f"{model}-{event}-{path}-{round_index}")
                     record["round"] = round_index
                     records.append(record)
@@ -144,10 +147,10 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             "downtime_ratio": _ratio(med["restart"]["downtime_seconds"], med["live"]["downtime_seconds"]),
         }
         r = ratios[key]
-        lost = f"{r['lost_ratio']:.1f}x" if r["lost_ratio"] is not None else "n/a"
+        lost, down = (f"{r[name]:.1f}x" if r[name] is not None else "n/a" for name in ("lost_ratio", "downtime_ratio"))
         print(f"{key}: time lost live {_seconds(r['live_lost_seconds'])}, restart {_seconds(r['restart_lost_seconds'])}"
-              f" -> restart/live {lost}; downtime live {r['live_downtime_seconds']:.2f}s, restart "
-              f"{r['restart_downtime_seconds']:.2f}s ({r['downtime_ratio']:.1f}x); steady step "
+              f" -> restart/live {lost}; downtime live {_seconds(r['live_downtime_seconds'])}, restart "
+              f"{_seconds(r['restart_downtime_seconds'])} ({down}); steady step "
               f"{_seconds(r['live_step_seconds_new'])}{_slowdown(r)}")
     return ratios
 
@@ -160,8 +163,9 @@ def _slowdown(r: dict[str, Any]) -> str:
 
 
 def _seconds(value: float | None) -> str:
-    """Seconds, or why there is no figure: the next event came right after the first step beyond this one."""
-    return f"{value:.2f}s" if value is not None else "n/a (no steady step before the next event)"
+    """Seconds, or why there is no figure: the path was not run, or the next event came right after the first step
+    beyond this one."""
+    return f"{value:.2f}s" if value is not None else "n/a"
 
 
 def _median(values: list[float | None]) -> float | None:
