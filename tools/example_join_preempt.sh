@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's worked example as an elastic job on this host, as a user would run it: node A starts, node B joins
 # (1 -> 2), B is preempted with notice (SIGTERM to its agent, 2 -> 1), A finishes; then the events and the loss.
-#   tools/example_join_preempt.sh [OUT_DIR]      (after `make install`; about a minute on 2 cores)
+#   tools/example_join_preempt.sh [OUT_DIR]      (after `make install`; 1-4 minutes on 2 cores)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-outputs/example-join-preempt}; rm -rf "$OUT"; mkdir -p "$OUT"
