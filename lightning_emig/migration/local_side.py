@@ -59,7 +59,6 @@ class Releases:
         """Resident bytes the transfer stays under; None where the process's memory cannot be read (then freed
         pages go back before every write)."""
         self.freed_since_trim = False
-        self.trims = 0
 
     def free(self, key: str) -> None:
         """Release ``old[key]`` (its pages stay in the heap until :meth:`make_room` needs them)."""
@@ -74,7 +73,6 @@ class Releases:
         if resident is None or resident + nbytes > self.ceiling:
             return_freed_host_memory()
             self.freed_since_trim = False
-            self.trims += 1
 
 
 class LocalWork:

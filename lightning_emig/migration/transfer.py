@@ -78,8 +78,6 @@ class TransferStats:
     """Bytes sent from or received into the live tensors without staging."""
     peak_buffer_bytes: int = 0
     """Largest send + receive buffer space allocated in one round (the extra memory of the transfer)."""
-    trims: int = 0
-    """Times freed pages went back to the OS to keep the process under its ceiling (CPU)."""
     seconds_copy: float = 0.0
     seconds_transfer: float = 0.0
     per_peer_bytes: dict[int, int] = field(default_factory=dict)
@@ -286,7 +284,6 @@ def run_transfer(
         work.after_wait(round_index)
     stats.rounds = len(schedule)
     stats.bytes_copied, stats.seconds_copy = work.bytes_copied, work.seconds_copy
-    stats.trims = releases.trims
     stats.seconds_transfer = time.perf_counter() - start
     if local.error is not None:
         raise local.error
