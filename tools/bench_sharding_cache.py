@@ -19,13 +19,12 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
 
+CHILD_TIMEOUT_S = 300.0
 SHAPES = [(64, 64), (176, 64), (64, 176), (64,), (512, 64), (32, 64), (128, 128), (256, 64)]
 
 
@@ -76,6 +75,17 @@ def _child(mode: str, placement_name: str, shapes: int) -> dict[str, float]:
     return {"warm_up": warm_up, "first": steps[0], "second": steps[1]}
 
 
+def _run_child(mode: str, placement: str, shapes: int) -> dict[str, float]:
+    """One variant in a fresh process (bounded by CHILD_TIMEOUT_S; its output shown if it fails)."""
+    from lightning_emig.testing.commands import run_command
+
+    cmd = [sys.executable, __file__, "--shapes", str(shapes), "--child", mode, placement]
+    result = run_command(cmd, timeout_s=CHILD_TIMEOUT_S, env={"PYTHONWARNINGS": "ignore"})
+    if result.returncode != 0:
+        raise SystemExit(f"the {mode} / {placement} run exited {result.returncode}:\n{result.stdout[-2000:]}")
+    return json.loads(next(line for line in reversed(result.stdout.splitlines()) if line.startswith("{")))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="fresh processes per variant (median reported)")
@@ -85,14 +95,9 @@ def main() -> None:
     if args.child:
         print(json.dumps(_child(*args.child, args.shapes)))
         return
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     for placement in ("shard", "replicate"):
         for mode in ("none", "thread", "main"):
-            runs = []
-            for _ in range(args.repeats):
-                out = subprocess.run([sys.executable, __file__, "--shapes", str(args.shapes), "--child", mode,
-                                      placement], capture_output=True, text=True, check=True, env=env)
-                runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            runs = [_run_child(mode, placement, args.shapes) for _ in range(args.repeats)]
             med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
             print(f"{placement:9s} {mode:6s} warm-up {med['warm_up']:.4f}s  first step {med['first']:.4f}s  "
                   f"second {med['second']:.4f}s", flush=True)
