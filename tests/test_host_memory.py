@@ -42,6 +42,35 @@ def test_warmed_pages_are_reused_by_later_tensors() -> None:
     assert warm < 32 * MiB, f"the warmed heap should hold the tensor: grew {warm / MiB:.0f} MiB"
 
 
+# Resident memory after 2.5 GiB written in adjacent blocks is freed: the blocks merge into the heap's top, more than
+# the largest trim threshold mallopt takes (an int) lies free there.
+_FREED_TOP = textwrap.dedent("""
+    import ctypes, json
+    from lightning_emig import host_memory
+    host_memory.keep_freed_host_memory()
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    blocks = [libc.malloc(512 << 20) for _ in range(5)]
+    for block in blocks:
+        ctypes.memset(block, 1, 512 << 20)
+    held = host_memory.resident_bytes()
+    for block in blocks:
+        libc.free(block)
+    print(json.dumps({"given_back": held - host_memory.resident_bytes()}))
+""")
+
+
+@pytest.mark.skipif(host_memory.resident_bytes() is None or not sys.platform.startswith("linux"),
+                    reason="needs /proc and glibc")
+def test_more_than_2_gib_freed_at_the_heaps_top_stays() -> None:
+    result = run_command([sys.executable, "-c", _FREED_TOP], timeout_s=120)
+    assert result.returncode == 0, result.stdout[-2000:]
+    given_back = json.loads(result.stdout.strip().splitlines()[-1])["given_back"]
+    # With the largest int as trim threshold glibc gave all 2.5 GiB back at the last free.
+    assert given_back < 64 * MiB, f"freed heap should stay resident: {given_back / MiB:.0f} MiB went back"
+
+
 # Resident growth while the main thread writes a 128 MiB tensor after another thread (as gloo's, which run the
 # collectives) wrote and freed a larger one (a freed block exactly as large may not take the next aligned request).
 _AFTER_THREAD = textwrap.dedent("""
@@ -76,14 +105,16 @@ def test_the_holders_publish_their_own_peak_and_state_share() -> None:
     assert (published["state_bytes"], published["world"]) == (600 * MiB, 2)
 
 
-def test_memory_to_warm_rescales_the_state_share(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_memory_to_warm_grows_the_state_share_but_never_shrinks_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(admission, "resident_bytes", lambda: 0)  # a joiner holding nothing yet
     monkeypatch.setattr(admission, "available_bytes", lambda: None)  # no cap from this machine's free memory
     store = dist.HashStore()
-    store.set(admission.WORKING_SET_KEY, json.dumps({"peak_bytes": 2 << 30, "state_bytes": 600 * MiB, "world": 1}))
-    # The state share goes from the whole state (world 1) to a third (world 3); the rest is kept as is.
-    assert admission.memory_to_warm(store, 1) == 2 << 30
-    assert admission.memory_to_warm(store, 3) == (2 << 30) - 400 * MiB
+    store.set(admission.WORKING_SET_KEY, json.dumps({"peak_bytes": 2 << 30, "state_bytes": 600 * MiB, "world": 3}))
+    # Into a world of 1 the share grows from a third of the state to all of it; the rest is kept as is.
+    assert admission.memory_to_warm(store, 1) == (2 << 30) + 1200 * MiB
+    assert admission.memory_to_warm(store, 3) == 2 << 30
+    # A larger world's smaller share is not taken off: its collectives' buffers take more (see memory_to_warm).
+    assert admission.memory_to_warm(store, 6) == 2 << 30
 
 
 def test_memory_to_warm_leaves_half_the_available_memory(monkeypatch: pytest.MonkeyPatch) -> None:
