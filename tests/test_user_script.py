@@ -139,6 +139,10 @@ def test_the_script_survives_a_join_and_a_preemption_in_one_fit_call(tmp_path: P
     assert [(e["kind"], e["old_world"], e["new_world"]) for e in checked["events"]] == [("join", 1, 2),
                                                                                        ("preempt", 2, 1)]
     assert set(checked["ledger"].dp_degrees.values()) == {1, 2}
+    # A keeps its own half in the drain and B sends the other (bytes_moved); the next fit adopts AdamW's moments as
+    # they are and copies the parameters only: a third of the whole, not all of it (3x bytes_moved in all).
+    preempt = checked["events"][1]
+    assert preempt["bytes_copied_locally"] < 2 * preempt["bytes_moved"], preempt
 
 
 @pytest.mark.long  # live changes into and out of stages: test_pipeline_training.py

@@ -35,7 +35,13 @@ from lightning_emig.layout import HybridLayout
 from lightning_emig.membership.handoff import LiveHandoff
 from lightning_emig.migration.change import ChangeRecord, execute_change, whole_state_specs
 from lightning_emig.migration.planner import IdentityMap, ProcessInfo
-from lightning_emig.migration.state import ShardingSpec, allocate_optimizer_state, training_state
+from lightning_emig.migration.state import (
+    ShardingSpec,
+    StateTensor,
+    adopt_optimizer_state,
+    allocate_optimizer_state,
+    training_state,
+)
 from lightning_emig.strategy.boundary import rescale_batch_progress
 from lightning_emig.strategy.rng import restore_rng_for_rank
 
@@ -109,14 +115,22 @@ def join_live(
     assert module is not None
     optimizer = strategy.optimizers[0]
     new_state = training_state(module, None)
+    held = handoff.state if handoff is not None else None
+    adopted: dict[str, StateTensor] = {}
+    if held is not None and _holds_the_new_layout(who, news.old_world, old_layout, strategy):
+        # A drain or a rebuild from replicas left each process its new shards (plain buffers): the optimizer's
+        # state (two thirds of an AdamW state) is taken as it is; only the parameters are copied into the model.
+        adopted = adopt_optimizer_state(module, optimizer, held)
+        held = {k: t for k, t in held.items() if k not in adopted}
     template = news.optimizer_template
     if old_layout.pp > 1 or strategy.layout.pp > 1:  # each old stage holds its own parameters' state only
         template = whole_state_specs(handoff.optimizer_template if handoff is not None else None, old_layout,
                                      strategy.layout)
+    template = {k: spec for k, spec in template.items() if k not in adopted}
     new_state.update(allocate_optimizer_state(module, optimizer, template))
     strategy.live_transfer_started = True  # from here a failure may leave the handoff's state partly released
     record = execute_change(
-        kind="join", step=int(news.metadata["global_step"]), old_state=handoff.state if handoff is not None else None,
+        kind="join", step=int(news.metadata["global_step"]), old_state=held,
         new_state=new_state, old_layout=old_layout, new_layout=strategy.layout, identity=identity, pid=rank,
         transfer=settings.transfer,
     )
@@ -131,6 +145,14 @@ def join_live(
     if news.prior is not None:  # the state moved before this fit (preemption, failure): report that change
         record = news.prior.then(record)
     return dict(news.metadata), record, news.last_step_wall
+
+
+def _holds_the_new_layout(who: list[Any], old_world: int, old_layout: HybridLayout,
+                          strategy: ElasticMigrationStrategy) -> bool:
+    """Every process of the new world holds its state under the new layout, world and rank already (the same answer
+    on every process: it decides which tensors the migration moves)."""
+    return (old_layout, old_world) == (strategy.layout, strategy.world_size) and all(
+        old == rank for rank, (_, _, old) in enumerate(who))
 
 
 def _rescale_counters(metadata: dict[str, Any], strategy: ElasticMigrationStrategy) -> None:

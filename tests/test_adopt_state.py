@@ -1,0 +1,100 @@
+"""A process that already holds its new shards (a drain or a rebuild from replicas left them in plain buffers) gives
+the new optimizer that state without a copy, and training goes on from it exactly as from the original."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_emig.layout import HybridLayout, build_mesh
+from lightning_emig.migration.engine import migrate
+from lightning_emig.migration.planner import IdentityMap, ProcessInfo
+from lightning_emig.migration.state import (
+    StateTensor,
+    adopt_optimizer_state,
+    allocate_optimizer_state,
+    training_state,
+)
+from lightning_emig.models.llama import Llama, LlamaConfig, causal_lm_loss
+from lightning_emig.parallelize import materialize_and_init, materialize_empty, parallelize_model
+from lightning_emig.testing.distributed import run_distributed
+from lightning_emig.testing.state import assert_states_equal, full_training_state
+
+pytestmark = pytest.mark.multiprocess
+
+#: Widths no shard count divides evenly: the two ranks' shards differ in shape.
+CONFIG = LlamaConfig(dim=40, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=100, vocab_size=259, max_seq_len=32)
+
+
+def _model(mesh: Any, *, init: bool) -> tuple[Llama, torch.optim.Optimizer]:
+    with torch.device("meta"):
+        model = Llama(CONFIG)
+    parallelize_model(model, mesh)
+    if init:
+        materialize_and_init(model, torch.device("cpu"), 3)
+    else:
+        materialize_empty(model, torch.device("cpu"))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _step(model: Llama, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, 17), generator=torch.Generator().manual_seed(seed))
+    causal_lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _adopt_worker(rank: int, world: int) -> dict[str, Any]:
+    mesh = build_mesh(HybridLayout(dp_shard=world).resolve(world), "cpu", ranks=tuple(range(world)))
+    model, optimizer = _model(mesh, init=True)
+    for step in range(2):
+        _step(model, optimizer, 100 * rank + step)
+    # What a drain leaves: the process's shards under the same layout, in plain buffers of its own.
+    held = {k: StateTensor(k, t.spec, t.local.clone()) for k, t in training_state(model, optimizer).items()}
+
+    new_model, new_optimizer = _model(mesh, init=False)
+    adopted = adopt_optimizer_state(new_model, new_optimizer, held)
+    params = dict(new_model.named_parameters())
+    in_place = all(
+        new_optimizer.state[params[k.split("/")[1]]][k.rsplit("/", 1)[1]].to_local().data_ptr()
+        == held[k].local.data_ptr() for k in adopted
+    )
+    # The rest (parameters, AdamW's step counts) moves as a live join moves it.
+    template = {k: t.spec for k, t in held.items() if k.startswith("optim/") and k not in adopted}
+    new_state = training_state(new_model, None)
+    new_state.update(allocate_optimizer_state(new_model, new_optimizer, template))
+    identity = IdentityMap(tuple(ProcessInfo(r, 0, r, r) for r in range(world)), world, world)
+    layout = mesh.layout
+    migrate(old_state={k: t for k, t in held.items() if k not in adopted}, new_state=new_state, old_layout=layout,
+            new_layout=layout, identity=identity, pid=rank)
+    # Both go on training: the adopted state must behave exactly as the original.
+    _step(model, optimizer, 999 + rank)
+    _step(new_model, new_optimizer, 999 + rank)
+    mismatch = None
+    try:
+        assert_states_equal(full_training_state(model, optimizer), full_training_state(new_model, new_optimizer))
+    except AssertionError as exc:
+        mismatch = str(exc)
+
+    wrong = dict(held)
+    key = next(iter(adopted))
+    wrong[key] = StateTensor(key, held[key].spec, torch.zeros(held[key].local.numel() + 1))
+    try:
+        adopt_optimizer_state(*_model(mesh, init=False), wrong)
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    return {"adopted": sorted(adopted), "held": sorted(held), "in_place": in_place, "mismatch": mismatch,
+            "refused": refused}
+
+
+@pytest.mark.timeout(180)
+def test_held_optimizer_state_is_adopted_in_place_and_trains_on_exactly() -> None:
+    for result in run_distributed(_adopt_worker, 2, timeout_s=150):
+        tensor_states = [k for k in result["held"] if k.startswith("optim/") and not k.endswith("/step")]
+        assert result["adopted"] == tensor_states  # every parameter-shaped state; the step counts move
+        assert result["in_place"], "an adopted state was copied"
+        assert result["mismatch"] is None, result["mismatch"]
+        assert result["refused"] is not None and "cannot be adopted" in result["refused"]
