@@ -260,7 +260,7 @@ def adopt_optimizer_state(
     new parameter (same mesh and placements). Returns what was adopted, by key; scalars are left to the migration.
 
     Raises:
-        ValueError: where a held tensor is not the new parameter's local shard (shape or dtype): the layouts differ.
+        ValueError: where a held tensor is not shaped as the new parameter's local shard: the layouts differ.
     """
     params = dict(model.named_parameters())
     out: dict[str, StateTensor] = {}
