@@ -86,8 +86,12 @@ def _adopt_worker(rank: int, world: int) -> dict[str, Any]:
         refused = None
     except ValueError as exc:
         refused = str(exc)
+    # Under pipeline stages a process holds another stage's state empty: settled here, adopted by that stage.
+    other_key = "optim/another.stage.weight/exp_avg"
+    other = adopt_optimizer_state(*_model(mesh, init=False), {other_key: StateTensor(other_key, held[key].spec,
+                                                                                     torch.empty(0))})
     return {"adopted": sorted(adopted), "held": sorted(held), "in_place": in_place, "mismatch": mismatch,
-            "refused": refused}
+            "refused": refused, "other_stage": sorted(other) == [other_key]}
 
 
 @pytest.mark.timeout(180)
@@ -98,3 +102,4 @@ def test_held_optimizer_state_is_adopted_in_place_and_trains_on_exactly() -> Non
         assert result["in_place"], "an adopted state was copied"
         assert result["mismatch"] is None, result["mismatch"]
         assert result["refused"] is not None and "cannot be adopted" in result["refused"]
+        assert result["other_stage"]

@@ -253,35 +253,40 @@ def allocate_optimizer_state(
 
 def adopt_optimizer_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, held: dict[str, StateTensor]
-) -> dict[str, StateTensor]:
+) -> set[str]:
     """Install the parameter-shaped optimizer state of ``held`` in ``optimizer.state`` as it is, without a copy: for
     a process that already holds it under the new model's layout, world and rank (what a drain or a rebuild from
     replicas left in plain buffers for the next fit). Each tensor becomes the local shard of a state shaped like its
-    new parameter (same mesh and placements). Returns what was adopted, by key; scalars are left to the migration.
+    new parameter (same mesh and placements).
+
+    Returns the keys settled, for the caller to leave out of the migration: every parameter-shaped optimizer state
+    of ``held``, adopted where this model has the parameter, and under pipeline stages another stage's (held empty
+    here: that stage adopts it). Scalars are left to the migration. Processes holding the same keys settle the same.
 
     Raises:
         ValueError: where a held tensor is not shaped as the new parameter's local shard: the layouts differ.
     """
     params = dict(model.named_parameters())
-    out: dict[str, StateTensor] = {}
+    settled: set[str] = set()
     for key, held_tensor in held.items():
         kind, rest = key.split("/", 1)
         if kind != "optim" or held_tensor.spec.global_shape == ():
             continue
+        settled.add(key)
         name, state_name = rest.rsplit("/", 1)
-        param = params[name]
-        local = local_of(param)
-        if held_tensor.local.shape != local.shape or held_tensor.spec.global_shape != tuple(param.shape):
+        param = params.get(name)
+        local_shape = tuple(local_of(param).shape) if param is not None else (0,)
+        if tuple(held_tensor.local.shape) != local_shape and not (param is None and not held_tensor.local.numel()):
             raise ValueError(f"{key}: the held shard {tuple(held_tensor.local.shape)} is not the new parameter's "
-                             f"{tuple(local.shape)}: it cannot be adopted as it is")
+                             f"{local_shape}: it cannot be adopted as it is")
+        if param is None:  # another pipeline stage's parameter: that stage adopts it
+            continue
         value = held_tensor.local
         if isinstance(param, DTensor):
             value = DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
                                        shape=param.shape, stride=param.stride())
         optimizer.state[param][state_name] = value
-        out[key] = StateTensor(key, dataclasses.replace(spec_of(value), owner=held_tensor.spec.owner),
-                               local_of(value))
-    return out
+    return settled
 
 
 def _scalar_state_device(group: dict[str, object], param: torch.Tensor) -> torch.device:

@@ -37,7 +37,6 @@ from lightning_emig.migration.change import ChangeRecord, execute_change, whole_
 from lightning_emig.migration.planner import IdentityMap, ProcessInfo
 from lightning_emig.migration.state import (
     ShardingSpec,
-    StateTensor,
     adopt_optimizer_state,
     allocate_optimizer_state,
     training_state,
@@ -116,7 +115,7 @@ def join_live(
     optimizer = strategy.optimizers[0]
     new_state = training_state(module, None)
     held = handoff.state if handoff is not None else None
-    adopted: dict[str, StateTensor] = {}
+    adopted: set[str] = set()
     if held is not None and _holds_the_new_layout(who, news.old_world, old_layout, strategy):
         # A drain or a rebuild from replicas left each process its new shards (plain buffers): the optimizer's
         # state (two thirds of an AdamW state) is taken as it is; only the parameters are copied into the model.
