@@ -28,10 +28,16 @@ _GROWTH = textwrap.dedent("""
 """)
 
 
-def _growth(mode: str) -> int:
-    result = run_command([sys.executable, "-c", _GROWTH, mode], timeout_s=120)
+def _measured(script: str, *args: str) -> dict[str, int]:
+    """What ``script`` printed last (one JSON object), run in a fresh interpreter: allocator settings are
+    process-wide."""
+    result = run_command([sys.executable, "-c", script, *args], timeout_s=120)
     assert result.returncode == 0, result.stdout[-2000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])["growth"]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _growth(mode: str) -> int:
+    return _measured(_GROWTH, mode)["growth"]
 
 
 @pytest.mark.skipif(host_memory.resident_bytes() is None or not sys.platform.startswith("linux"),
@@ -64,9 +70,7 @@ _FREED_TOP = textwrap.dedent("""
 @pytest.mark.skipif(host_memory.resident_bytes() is None or not sys.platform.startswith("linux"),
                     reason="needs /proc and glibc")
 def test_more_than_2_gib_freed_at_the_heaps_top_stays() -> None:
-    result = run_command([sys.executable, "-c", _FREED_TOP], timeout_s=120)
-    assert result.returncode == 0, result.stdout[-2000:]
-    given_back = json.loads(result.stdout.strip().splitlines()[-1])["given_back"]
+    given_back = _measured(_FREED_TOP)["given_back"]
     # With the largest int as trim threshold glibc gave all 2.5 GiB back at the last free.
     assert given_back < 64 * MiB, f"freed heap should stay resident: {given_back / MiB:.0f} MiB went back"
 
@@ -89,9 +93,7 @@ _AFTER_THREAD = textwrap.dedent("""
 @pytest.mark.skipif(host_memory.resident_bytes() is None or not sys.platform.startswith("linux"),
                     reason="needs /proc and glibc")
 def test_pages_another_thread_freed_are_reused() -> None:
-    result = run_command([sys.executable, "-c", _AFTER_THREAD], timeout_s=120)
-    assert result.returncode == 0, result.stdout[-2000:]
-    growth = json.loads(result.stdout.strip().splitlines()[-1])["growth"]
+    growth = _measured(_AFTER_THREAD)["growth"]
     # A heap of the thread's own would have mapped its tensor apart and unmapped it when freed (grew 128 MiB).
     assert growth < 32 * MiB, f"the thread's freed pages should hold the tensor: grew {growth / MiB:.0f} MiB"
 
