@@ -234,10 +234,10 @@ def allocate_optimizer_state(
     stage = holds_stage(model)
     out: dict[str, StateTensor] = {}
     for key, spec in template.items():
-        kind, rest = key.split("/", 1)
-        if kind != "optim":
+        parts = _optimizer_key(key)
+        if parts is None:
             continue
-        name, state_name = rest.rsplit("/", 1)
+        name, state_name = parts
         if name not in params and stage:
             continue  # a pipeline stage holds the state of its own parameters only
         param = params[name]
@@ -269,24 +269,36 @@ def adopt_optimizer_state(
     params = dict(model.named_parameters())
     settled: set[str] = set()
     for key, held_tensor in held.items():
-        kind, rest = key.split("/", 1)
-        if kind != "optim" or held_tensor.spec.global_shape == ():
+        parts = _optimizer_key(key)
+        if parts is None or held_tensor.spec.global_shape == ():
             continue
         settled.add(key)
-        name, state_name = rest.rsplit("/", 1)
+        name, state_name = parts
         param = params.get(name)
-        local_shape = tuple(local_of(param).shape) if param is not None else (0,)
-        if tuple(held_tensor.local.shape) != local_shape and not (param is None and not held_tensor.local.numel()):
-            raise ValueError(f"{key}: the held shard {tuple(held_tensor.local.shape)} is not the new parameter's "
-                             f"{local_shape}: it cannot be adopted as it is")
-        if param is None:  # another pipeline stage's parameter: that stage adopts it
+        shape = tuple(held_tensor.local.shape)
+        if param is None:  # another pipeline stage's parameter: held empty here, that stage adopts it
+            if held_tensor.local.numel():
+                raise ValueError(f"{key}: a shard {shape} is held for a parameter this model does not have: it "
+                                 "cannot be adopted as it is")
             continue
+        if shape != tuple(local_of(param).shape):
+            raise ValueError(f"{key}: the held shard {shape} is not the new parameter's "
+                             f"{tuple(local_of(param).shape)}: it cannot be adopted as it is")
         value = held_tensor.local
         if isinstance(param, DTensor):
             value = DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
                                        shape=param.shape, stride=param.stride())
         optimizer.state[param][state_name] = value
     return settled
+
+
+def _optimizer_key(key: str) -> tuple[str, str] | None:
+    """(parameter name, state name) of an ``optim/<parameter>/<state>`` key; None for any other key."""
+    kind, rest = key.split("/", 1)
+    if kind != "optim":
+        return None
+    name, state_name = rest.rsplit("/", 1)
+    return name, state_name
 
 
 def _scalar_state_device(group: dict[str, object], param: torch.Tensor) -> torch.device:
