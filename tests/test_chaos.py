@@ -40,6 +40,7 @@ from lightning_emig.testing.chaos import (
     has_overlap,
     initial_nodes,
     make_schedule,
+    unexcused_failed_saves,
 )
 from lightning_emig.testing.nodes import REPO, start_reference
 
@@ -147,3 +148,20 @@ This run trains in float64 (`model.dtype=float64`) and is held to the same 1e-4 
 data-parallel ranks drift from one process by themselves over 2400 steps (they sum gradients in another order:
 3.7e-3 relative at the worst step, measured), so a float32 comparison would have to tolerate what it is meant to catch.
 """
+
+
+# --- the checks ----------------------------------------------------------------------------------------------------
+
+
+def test_a_failed_save_is_excused_only_by_a_failure_before_the_next_save_was_due() -> None:
+    log = ("... CHECKPOINT FAILED: writing /runs/x/checkpoints/step000025.ckpt (step 25) in the background failed\n"
+           "... CHECKPOINT FAILED: writing /runs/x/checkpoints/step000075.ckpt (step 75) in the background failed\n")
+    join = {"kind": "join", "step": 30}
+    died_at_27 = {"kind": "failure", "step": 27}
+    rolled_back_to_50 = {"kind": "restart", "step": 50, "steps_rolled_back": 26}  # struck at 76
+    assert unexcused_failed_saves(log, [join], every=25) == [25, 75]
+    assert unexcused_failed_saves(log, [join, died_at_27], every=25) == [75]
+    assert unexcused_failed_saves(log, [died_at_27, rolled_back_to_50], every=25) == []
+    assert unexcused_failed_saves(log, [{"kind": "failure", "step": 24}], every=25) == [25, 75]  # before the save
+    assert unexcused_failed_saves(log, [{"kind": "failure", "step": 50}], every=25) == [25, 75]  # after the next
+    assert unexcused_failed_saves("no failed save here", [], every=25) == []

@@ -28,6 +28,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import threading
@@ -600,12 +601,14 @@ def _check_events(events: list[dict[str, Any]], summary: dict[str, Any] | None) 
 
 
 def _check_checkpoints(run: ChaosRun, events: list[dict[str, Any]], summary: dict[str, Any] | None) -> Check:
-    """Periodic checkpoints keep working after every live change: no save failed, and the first one due after each
-    change that was not a rollback, on the world that change made, is complete (when that world trained past it and
-    did not end in a failure right after it, which may abandon a save being written)."""
+    """Periodic checkpoints keep working after every live change: no save failed that a failure did not cut short,
+    and the first one due after each change that was not a rollback, on the world that change made, is complete
+    (when that world trained past it and did not end in a failure right after it, which may abandon a save being
+    written)."""
     every = int(_arg(run.settings.base_args, "trainer.checkpoint_every_n_steps"))
     last = int(_arg(run.settings.base_args, "trainer.max_steps"))
-    failed = [name for name in run.agents if "CHECKPOINT FAILED" in log_tail(run.out_dir, name, 10**7)]
+    failed = [name for name in run.agents
+              if unexcused_failed_saves(log_tail(run.out_dir, name, 10**7), events, every)]
     missing, checked = [], []
     for event, after in zip(events, [*events[1:], None], strict=True):
         due = (event["step"] // every + 1) * every
@@ -619,6 +622,20 @@ def _check_checkpoints(run: ChaosRun, events: list[dict[str, Any]], summary: dic
     problems = [f"CHECKPOINT FAILED in {failed}"] * bool(failed) + [f"incomplete: {', '.join(missing)}"] * bool(missing)
     return Check("checkpoints", not problems, "; ".join(problems) or f"complete after every change: {', '.join(checked)}",
                  tuple(failed) or ((HOST,) if missing else ()))
+
+
+_FAILED_SAVE = re.compile(r"CHECKPOINT FAILED: writing .* \(step (\d+)\)")
+
+
+def unexcused_failed_saves(log: str, events: list[dict[str, Any]], every: int) -> list[int]:
+    """The steps of the saves ``log`` reports failed that no failure explains. A save is written in the background
+    while training goes on; a node killed before it finished breaks the collectives that confirm it, and the save
+    fails on the survivors as it should. So a failed save of step s is excused by a failure (or restart) that struck
+    from step s until the next save was due (s + ``every``); any other failed save is the checkpoint's fault. A
+    change that rolled back n steps to resume at step r struck at r + n."""
+    cut_short = [e["step"] + _declared(e) for e in events if e["kind"] in ("failure", "restart")]
+    steps = [int(m.group(1)) for m in _FAILED_SAVE.finditer(log)]
+    return [s for s in steps if not any(s <= at < s + every for at in cut_short)]
 
 
 def _arg(args: Sequence[str], key: str) -> str:
