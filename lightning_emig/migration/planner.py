@@ -17,7 +17,8 @@ Invariants (the tests hold them):
   the output order);
 * order: transfers between a pair are sorted by ``(tensor name, box)``, the same on both sides, so point-to-point
   operations posted in list order match;
-* cost per process grows with its own pieces and the peers overlapping them, never with world².
+* cost per process grows with its own pieces and the peers overlapping them, never with world², and with the
+  kinds of tensor (old sharding, new sharding, element size), not their number.
 
 Replica choice: among the live holders of a fragment, holders on the receiver's node are preferred; a fragment of
 at least ``PlanOptions.split_min_bytes`` is split evenly over those holders, a smaller one goes to the holder picked
@@ -29,7 +30,7 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from lightning_emig.migration.geometry import LocalPiece, ShardBox, Source, TensorSharding
@@ -254,24 +255,120 @@ def plan_for_rank(
     pid: int,
     options: PlanOptions = PlanOptions(),
 ) -> RankPlan:
-    """The plan of process ``pid`` alone, derived without communication (every process gets the same answers)."""
+    """The plan of process ``pid`` alone, derived without communication (every process gets the same answers).
+
+    A model has hundreds of state tensors but a handful of distinct (old sharding, new sharding, element size):
+    the fragments of one such kind are worked out once (:class:`_KindPlan`) and named for each tensor of it."""
     me = identity.process(pid)
     copies: list[Transfer] = []
     recvs: list[Transfer] = []
     sends: list[Transfer] = []
     lost: list[LostFragment] = []
+    kinds: dict[tuple[TensorSharding, TensorSharding, int], _KindPlan] = {}
     for index, tensor in enumerate(_ordered(tensors, identity)):
-        if me.new_rank is not None:
-            for item in _receiver_fragments(tensor, index, me, identity, options):
-                if isinstance(item, LostFragment):
-                    lost.append(item)
-                elif item.src == me.pid:
-                    copies.append(item)
-                else:
-                    recvs.append(item)
-        if me.old_rank is not None:
-            sends.extend(_sender_fragments(tensor, index, me, identity, options))
+        kind = (tensor.old, tensor.new, tensor.itemsize)
+        if kind not in kinds:
+            kinds[kind] = _KindPlan(tensor, me, identity, options)
+        for item in kinds[kind].items(tensor.name, index):
+            if isinstance(item, LostFragment):
+                lost.append(item)
+            elif item.src == item.dst:
+                copies.append(item)
+            elif item.dst == me.pid:
+                recvs.append(item)
+            else:
+                sends.append(item)
     return _finish(me, copies, sends, recvs, lost, options)
+
+
+class _KindPlan:
+    """What ``me`` copies, receives and sends of every tensor of one kind (old sharding, new sharding, element
+    size). The boxes and peers depend on the tensor only through its index, and on that only modulo the number
+    of candidates of each fragment (the replica rotation): each fragment's choices are worked out per residue,
+    on first use, and named for each tensor."""
+
+    __slots__ = ("_choices", "_first")
+
+    def __init__(self, first: TensorMigration, me: ProcessInfo, identity: IdentityMap, options: PlanOptions) -> None:
+        self._first = first
+        self._choices: list[_Choice] = []
+        if me.new_rank is not None:
+            self._choices.extend(_receiver_choices(first, me, identity, options))
+        if me.old_rank is not None:
+            self._choices.extend(_sender_choices(first, me, identity, options))
+
+    def items(self, name: str, index: int) -> Iterator[Transfer | LostFragment]:
+        for choice in self._choices:
+            for item in choice.at(index):
+                yield item if name == self._first.name else _named(item, name)
+
+
+def _named(item: Transfer | LostFragment, name: str) -> Transfer | LostFragment:
+    """``item`` for the tensor ``name`` (built directly: ``dataclasses.replace`` costs several times more)."""
+    if isinstance(item, LostFragment):
+        return LostFragment(name, item.box, item.nbytes)
+    return Transfer(name, item.box, item.src, item.dst, item.src_start, item.dst_start, item.nbytes)
+
+
+class _Choice:
+    """One fragment's transfers as a function of the tensor's index, which matters modulo ``period`` only."""
+
+    __slots__ = ("_made", "_make", "_period")
+
+    def __init__(self, period: int, make: Callable[[int], Iterable[Transfer | LostFragment]]) -> None:
+        self._period, self._make = period, make
+        self._made: dict[int, tuple[Transfer | LostFragment, ...]] = {}
+
+    def at(self, index: int) -> tuple[Transfer | LostFragment, ...]:
+        residue = index % self._period
+        if residue not in self._made:
+            self._made[residue] = tuple(self._make(residue))
+        return self._made[residue]
+
+
+def _receiver_choices(
+    tensor: TensorMigration, me: ProcessInfo, identity: IdentityMap, options: PlanOptions
+) -> Iterator[_Choice]:
+    """Everything ``me`` needs of a tensor of ``tensor``'s kind: one choice per (old distinct piece x new piece)
+    fragment (a copy, transfers from its holders, or lost)."""
+    assert me.new_rank is not None
+    holding = tensor.new.holding_of_rank(me.new_rank)
+    if holding is None:
+        return
+    for new_piece in holding.pieces:
+        for source in tensor.old.sources(new_piece.global_box):
+            holders = _Holders(source, identity)
+            fixed = holders.holds(me.old_rank) or not holders.live
+            period = 1 if fixed else len(_candidates(holders, me, options))
+            yield _Choice(period, functools.partial(_fragment_transfers, tensor, holders=holders, new_piece=new_piece,
+                                                    receiver=me, options=options))
+
+
+def _sender_choices(
+    tensor: TensorMigration, me: ProcessInfo, identity: IdentityMap, options: PlanOptions
+) -> Iterator[_Choice]:
+    """What ``me`` sends of a tensor of ``tensor``'s kind: one choice per (fragment, receiver lacking it), which
+    replays the receiver's choice and keeps ``me``'s part."""
+    assert me.old_rank is not None
+    holding = tensor.old.holding_of_rank(me.old_rank)
+    if holding is None:
+        return
+    replicas = tensor.old.replica_ranks(me.old_rank)
+    for old_piece in holding.pieces:
+        holders = _Holders(Source(old_piece, replicas), identity)
+        for target in tensor.new.sources(old_piece.global_box):
+            for new_rank in _receivers_lacking(target, holders, identity):
+                receiver = identity.by_new_rank(new_rank)
+                period = len(_candidates(holders, receiver, options)) if holders.live else 1
+                yield _Choice(period, functools.partial(_share, me, tensor, holders=holders, new_piece=target.piece,
+                                                        receiver=receiver, options=options))
+
+
+def _share(sender: ProcessInfo, tensor: TensorMigration, index: int, *, holders: _Holders, new_piece: LocalPiece,
+           receiver: ProcessInfo, options: PlanOptions) -> Iterator[Transfer]:
+    part = _share_of(sender, tensor, index, holders, new_piece, receiver, options)
+    if part is not None:
+        yield _transfer(tensor, part, sender, receiver, holders.piece, new_piece)
 
 
 def plan_all(
@@ -349,34 +446,9 @@ def _finish(
 def _receiver_fragments(
     tensor: TensorMigration, index: int, me: ProcessInfo, identity: IdentityMap, options: PlanOptions
 ) -> Iterator[Transfer | LostFragment]:
-    """Everything ``me`` needs of ``tensor``: one item per (old distinct piece x new piece) fragment or part of it."""
-    assert me.new_rank is not None
-    holding = tensor.new.holding_of_rank(me.new_rank)
-    if holding is None:
-        return
-    for new_piece in holding.pieces:
-        for source in tensor.old.sources(new_piece.global_box):
-            holders = _Holders(source, identity)
-            yield from _fragment_transfers(tensor, index, holders, new_piece, me, options)
-
-
-def _sender_fragments(
-    tensor: TensorMigration, index: int, me: ProcessInfo, identity: IdentityMap, options: PlanOptions
-) -> Iterator[Transfer]:
-    """What ``me`` sends of ``tensor``: replays each overlapping receiver's choice and keeps ours."""
-    assert me.old_rank is not None
-    holding = tensor.old.holding_of_rank(me.old_rank)
-    if holding is None:
-        return
-    replicas = tensor.old.replica_ranks(me.old_rank)
-    for old_piece in holding.pieces:
-        holders = _Holders(Source(old_piece, replicas), identity)
-        for target in tensor.new.sources(old_piece.global_box):
-            for new_rank in _receivers_lacking(target, holders, identity):
-                receiver = identity.by_new_rank(new_rank)
-                part = _share_of(me, tensor, index, holders, target.piece, receiver, options)
-                if part is not None:
-                    yield _transfer(tensor, part, me, receiver, holders.piece, target.piece)
+    """Everything ``me`` needs of ``tensor``, the tensor worked out on its own (:func:`plan_all`)."""
+    for choice in _receiver_choices(tensor, me, identity, options):
+        yield from choice.at(index)
 
 
 def _receivers_lacking(target: Source, holders: _Holders, identity: IdentityMap) -> list[int]:

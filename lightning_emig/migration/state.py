@@ -47,7 +47,7 @@ class ShardingSpec:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
 
 @functools.lru_cache(maxsize=4096)
