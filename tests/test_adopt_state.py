@@ -17,9 +17,9 @@ from lightning_emig.migration.state import (
     allocate_optimizer_state,
     training_state,
 )
-from lightning_emig.models.llama import Llama, LlamaConfig, causal_lm_loss
-from lightning_emig.parallelize import materialize_and_init, materialize_empty, parallelize_model
+from lightning_emig.models.llama import Llama, LlamaConfig
 from lightning_emig.testing.distributed import run_distributed
+from lightning_emig.testing.llama import laid_out_llama, train_steps
 from lightning_emig.testing.state import assert_states_equal, full_training_state
 
 pytestmark = pytest.mark.multiprocess
@@ -29,21 +29,13 @@ CONFIG = LlamaConfig(dim=40, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=100
 
 
 def _model(mesh: Any, *, init: bool) -> tuple[Llama, torch.optim.Optimizer]:
-    with torch.device("meta"):
-        model = Llama(CONFIG)
-    parallelize_model(model, mesh)
-    if init:
-        materialize_and_init(model, torch.device("cpu"), 3)
-    else:
-        materialize_empty(model, torch.device("cpu"))
+    model = laid_out_llama(CONFIG, mesh, seed=3 if init else None)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
 def _step(model: Llama, optimizer: torch.optim.Optimizer, seed: int) -> None:
-    tokens = torch.randint(0, CONFIG.vocab_size, (2, 17), generator=torch.Generator().manual_seed(seed))
-    causal_lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-    optimizer.step()
-    optimizer.zero_grad()
+    train_steps(model, optimizer, [torch.randint(0, CONFIG.vocab_size, (2, 17),
+                                                 generator=torch.Generator().manual_seed(seed))])
 
 
 def _adopt_worker(rank: int, world: int) -> dict[str, Any]:

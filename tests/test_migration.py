@@ -34,8 +34,8 @@ from lightning_emig.migration.transfer import (
     max_single_row_bytes,
 )
 from lightning_emig.models.llama import Llama, LlamaConfig, causal_lm_loss, get_model_config
-from lightning_emig.parallelize import materialize_and_init, materialize_empty, parallelize_model
 from lightning_emig.testing.distributed import WorkerFailed, run_distributed
+from lightning_emig.testing.llama import laid_out_llama, train_steps
 from lightning_emig.testing.state import assert_states_equal, full_training_state
 
 pytestmark = pytest.mark.multiprocess
@@ -149,26 +149,16 @@ def _mesh(layout: dict[str, int], ranks: Sequence[int], backend: str) -> LayoutM
 
 
 def _model(config: LlamaConfig, layout_mesh: LayoutMesh, backend: str, *, init: bool) -> Llama:
-    with torch.device("meta"):
-        model = Llama(config)
-    parallelize_model(model, layout_mesh)
-    if init:
-        materialize_and_init(model, _device(backend), SEED)
-    else:
-        materialize_empty(model, _device(backend))
-    return model
+    return laid_out_llama(config, layout_mesh, _device(backend), seed=SEED if init else None)
 
 
 def _train(model: Llama, layout_mesh: LayoutMesh, backend: str, steps: int = 2) -> torch.optim.Optimizer:
     """A few real AdamW steps; every data-parallel rank reads its own micro-batch (TP peers the same one)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     generator = torch.Generator().manual_seed(1000 + layout_mesh.dp_rank)
-    for _ in range(steps):
-        tokens = torch.randint(0, model.config.vocab_size, (2, SEQ_LEN + 1), generator=generator)
-        tokens = tokens.to(_device(backend))
-        causal_lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train_steps(model, optimizer, (
+        torch.randint(0, model.config.vocab_size, (2, SEQ_LEN + 1), generator=generator).to(_device(backend))
+        for _ in range(steps)))
     return optimizer
 
 

@@ -111,9 +111,9 @@ from lightning_emig.migration.transfer import (
     memory_bound_bytes,
 )
 from lightning_emig.models.llama import Llama, get_model_config
-from lightning_emig.parallelize import materialize_empty, parallelize_model
 from lightning_emig.testing import memory
 from lightning_emig.testing.distributed import WorkerFailed, run_distributed
+from lightning_emig.testing.llama import laid_out_llama
 
 DEFAULT_TRANSITIONS = "s4:t2s2,t2s2:r2s2,s4:s3,s3:s4,p2s2:s4,p2t2:p4"
 _RANK_AXES = {letter: name for letter, name in SHORT_LETTERS.items() if name in DEFAULT_RANK_ORDER}
@@ -259,10 +259,7 @@ def _layout_mesh(degrees: dict[str, int], world: int, cache: dict[Any, Any]) -> 
 
 def build_side(model_name: str, layout_mesh: LayoutMesh) -> Side:
     """Meta model -> parallelize -> allocate, plus an AdamW with allocated state (data filled separately)."""
-    with torch.device("meta"):
-        model = Llama(get_model_config(model_name))
-    parallelize_model(model, layout_mesh)
-    materialize_empty(model, "cpu")
+    model = laid_out_llama(get_model_config(model_name), layout_mesh, seed=None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     template = {}
     for name, param in model.named_parameters():
