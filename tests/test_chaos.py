@@ -7,7 +7,7 @@ heartbeats every 0.5 s judged stale after 5 s, a checkpoint every 25 steps, ``da
 
 The schedule (:func:`lightning_emig.testing.chaos.make_schedule`) holds bursts (events < 1.5 s apart), a join while
 the previous joiner is still starting, dips below MIN followed by a join, every kind of event. Specification of the
-run (:func:`lightning_emig.testing.chaos.check_run`): every agent not killed exits 0 (preempted ones included);
+run (:func:`lightning_emig.testing.chaos_checks.check_run`): every agent not killed exits 0 (preempted ones included);
 every sample of every step trained exactly once apart from the steps the events declare rolled back; no rollback
 where replicas existed; every step's loss within a relative 1e-4 of the uninterrupted single-process run;
 ``events.jsonl`` one event per change, worlds chaining; no process left behind.
@@ -31,17 +31,15 @@ import pytest
 from lightning_emig.testing.chaos import (
     HOST,
     REUSE_AFTER_S,
-    ChaosResult,
     ChaosRun,
     ChaosSettings,
     ScheduleSpec,
-    check_run,
     has_burst,
     has_overlap,
     initial_nodes,
     make_schedule,
-    unexcused_failed_saves,
 )
+from lightning_emig.testing.chaos_checks import ChaosResult, check_run, unexcused_failed_saves
 from lightning_emig.testing.nodes import REPO, start_reference
 
 SEEDS = [int(s) for s in os.environ.get("LIGHTNING_EMIG_CHAOS_SEEDS", "1").split(",")]
