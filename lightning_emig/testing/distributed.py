@@ -34,10 +34,43 @@ class WorkerFailed(RuntimeError):
     """A worker process raised, died, or did not finish in time."""
 
 
+#: Where :func:`free_port` looks: below the kernel's ephemeral range (Linux's default starts at 32768).
+_PICKED_PORTS = range(20000, 32768)
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A free port for a server that some process binds *later*, taken outside the kernel's ephemeral range.
+
+    A port picked with ``bind(0)`` is one the kernel hands out again: another process's ``bind(0)`` (a torchrun
+    agent picking its workers' ``MASTER_PORT``, a single-process run picking its own, gloo's listeners) may take it
+    before its server binds it (seen: a reference run took the port torchrun's agent had just picked for its worker,
+    whose store then failed with EADDRINUSE). The kernel never picks a port outside its ephemeral range, so none of
+    those can take one from here. Each port is handed out once per process."""
+    import random
+
+    low = _ephemeral_low()
+    candidates = [p for p in _PICKED_PORTS if p < low and p not in _handed_out]
+    for port in random.sample(candidates, min(len(candidates), 200)):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # nothing free below the range: the old way
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 where /proc cannot tell)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _worker(

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from lightning_emig.launcher.orphans import die_with_parent
+from lightning_emig.testing.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -143,7 +144,10 @@ def _run_reference(tmp_path: Path, train_args: Sequence[str]) -> dict[str, float
 
     run_dir = tmp_path / "reference"
     cmd = python_module_command("lightning_emig.train", *train_args, f"hydra.run.dir={run_dir}")
-    result = run_command(cmd, timeout_s=900, cwd=REPO, env={"OMP_NUM_THREADS": "1"})  # a bound: long runs take minutes
+    # Its store's port is given (free_port: outside the kernel's ephemeral range), not picked by Lightning with
+    # bind(0): that pick could take the port a torchrun agent of the run it is compared with has just picked.
+    env = {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    result = run_command(cmd, timeout_s=900, cwd=REPO, env=env)  # a bound: long runs take minutes
     assert result.returncode == 0, result.stdout[-4000:]
     return json.loads((run_dir / "summary.json").read_text())["step_losses"]
 
