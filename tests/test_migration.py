@@ -641,3 +641,40 @@ def test_state_no_process_holds_fails_every_process_before_any_transfer(backend:
     assert errors[:2] == ["MigrationFailedError"] * 2, [r.get("lost_message") for r in results]
     assert "no live process holds" in results[2]["lost_message"]
     assert all(r["lost_old_intact"] is None for r in results), [r["lost_old_intact"] for r in results]
+
+
+def _join_with_known_specs(rank: int, world: int) -> dict[str, Any]:
+    """1 -> 2: process 1 joins; both were given the old state's specs beforehand (as a join's announcement gives
+    them), so the migration broadcasts none: a broadcast of specs here fails the test."""
+    from lightning_emig.migration import engine
+
+    def no_broadcast(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("specs were broadcast although every process was given them")
+
+    engine._broadcast_specs = no_broadcast  # this worker process only
+    old_mesh = _mesh({"dp_shard": 1}, (0,), "gloo")
+    new_mesh = _mesh({"dp_shard": 2}, (0, 1), "gloo")
+    old_state, before, specs = None, None, None
+    if rank == 0:
+        model = _model(TINY, old_mesh, "gloo", init=True)
+        optimizer = _train(model, old_mesh, "gloo")
+        old_state = training_state(model, optimizer)
+        before = full_training_state(model, optimizer)
+        specs = {k: t.spec for k, t in old_state.items()}
+    box = [before, specs]
+    dist.broadcast_object_list(box, src=0)
+    before, specs = box
+    new_model = _model(TINY, new_mesh, "gloo", init=False)
+    new_optimizer = torch.optim.AdamW(new_model.parameters(), lr=LR, weight_decay=0.1)
+    new_state = training_state(new_model, None)
+    new_state.update(allocate_optimizer_state(new_model, new_optimizer,
+                                              {k: s for k, s in specs.items() if k.startswith("optim/")}))
+    identity = IdentityMap((ProcessInfo(0, 0, 0, 0), ProcessInfo(1, 0, None, 1)), 1, 2)
+    migrate(old_state=old_state, new_state=new_state, old_layout=old_mesh.layout, new_layout=new_mesh.layout,
+            identity=identity, pid=rank, release_old=True, old_specs=specs)
+    return {"mismatch": _states_equal(before, full_training_state(new_model, new_optimizer))}
+
+
+def test_a_joiner_given_the_old_specs_plans_from_them_and_nothing_is_broadcast() -> None:
+    for result in run_distributed(_join_with_known_specs, 2, timeout_s=120):
+        assert result["mismatch"] is None, result["mismatch"]

@@ -89,12 +89,14 @@ def execute_change(
     transfer: TransferOptions,
     release_old: bool = True,
     group: dist.ProcessGroup | None = None,
+    old_specs: Mapping[str, ShardingSpec] | None = None,
 ) -> ChangeRecord:
     """Move ``old_state`` into ``new_state`` (see :func:`~lightning_emig.migration.engine.migrate` for the roles: a
-    joiner has no old state, a leaver no new state) and return the change's record, on every process of ``group``."""
+    joiner has no old state, a leaver no new state, and for ``old_specs``) and return the change's record, on every
+    process of ``group``."""
     report = migrate(
         old_state=old_state, new_state=new_state, old_layout=old_layout, new_layout=new_layout, identity=identity,
-        pid=pid, group=group, transfer=transfer, release_old=release_old,
+        pid=pid, group=group, transfer=transfer, release_old=release_old, old_specs=old_specs,
     )
     return ChangeRecord(
         kind=kind, step=step, old_layout=old_layout, new_layout=new_layout, old_world=identity.old_world,

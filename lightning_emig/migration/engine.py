@@ -4,9 +4,9 @@
 (processes that only send, processes that only receive). Every process of ``group`` calls it:
 
 1. agree on what moves: where a process has no old state (a joiner) the old specs come from the lowest live old
-   rank, where one has no new state (a leaver) the new specs from new rank 0 (one broadcast each); a side every
-   process holds (both, in a layout change on the same processes) is each process's own, and the next all-gather
-   checks they agree;
+   rank, unless the caller already gave them to every process (a join's announcement carries them), where one has
+   no new state (a leaver) the new specs from new rank 0 (one broadcast each); a side every process holds (both,
+   in a layout change on the same processes) is each process's own, and the next all-gather checks they agree;
 2. plan locally (no communication: every process derives the same plan); plans are cached per (specs, layouts,
    identity, process, options), so a change seen before (a layout switched back and forth, a benchmark's repeats)
    pays no planning;
@@ -31,6 +31,7 @@ from __future__ import annotations
 import time
 import zlib
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -147,6 +148,7 @@ def migrate(
     transfer: TransferOptions | None = None,
     planning: PlanOptions | None = None,
     release_old: bool = False,
+    old_specs: Mapping[str, ShardingSpec] | None = None,
 ) -> MigrationReport:
     """Move ``old_state`` (held under ``old_layout``) into ``new_state``'s tensors (under ``new_layout``).
 
@@ -154,7 +156,9 @@ def migrate(
     process with neither takes part in the agreement only). With ``release_old`` the storage of each old tensor is
     freed as soon as nothing more is read from it (the old model must not be used afterwards) — also when the
     migration then fails, so a failed migration with ``release_old`` leaves no usable state in memory and the
-    caller must fall back to a checkpoint; without it the old state stays intact and usable.
+    caller must fall back to a checkpoint; without it the old state stays intact and usable. ``old_specs``: the old
+    side's specs where the caller already gave them to every process (a process without old state plans from them
+    and none are broadcast); given on every process of ``group`` or on none (it decides whether a collective runs).
 
     Raises:
         ChecksumMismatchError: on a process that received corrupt bytes.
@@ -167,7 +171,7 @@ def migrate(
         raise ValueError(f"process {pid}: state given does not match its roles {me}")
     seconds: dict[str, float] = {}
     start = time.perf_counter()
-    old_specs, new_specs = _agreed_specs(old_state, new_state, identity, group, old_layout, new_layout)
+    old_specs, new_specs = _agreed_specs(old_state, new_state, identity, group, old_layout, new_layout, old_specs)
     digest = _digest(old_specs, new_specs)
     seconds["agree"] = time.perf_counter() - start
 
@@ -229,19 +233,23 @@ def _union_of_sides(
 def _agreed_specs(
     old_state: dict[str, StateTensor] | None, new_state: dict[str, StateTensor] | None, identity: IdentityMap,
     group: dist.ProcessGroup | None, old_layout: HybridLayout, new_layout: HybridLayout,
+    known_old: Mapping[str, ShardingSpec] | None,
 ) -> tuple[dict[str, ShardingSpec], dict[str, ShardingSpec]]:
     """The old and new specs every process plans from: the union over every process's where a layout has pipeline
     stages (each stage holds its own tensors only; both sides in one all-gather); else a side every process holds
     is its own (checked by digest in the next all-gather), and a side some process lacks (a joiner's old, a
-    leaver's new) is broadcast from a process that holds it."""
+    leaver's new) is broadcast from a process that holds it, or for the old side taken from ``known_old``."""
     old_specs = {k: t.spec for k, t in old_state.items()} if old_state else None
     new_specs = {k: t.spec for k, t in new_state.items()} if new_state else None
     if old_layout.pp > 1 or new_layout.pp > 1:
         old_union, new_union = _union_of_sides([old_specs, new_specs], group)
         return old_union, new_union
     if any(p.old_rank is None for p in identity.processes):
-        old_src = identity.union_rank(min(p.pid for p in identity.processes if p.old_rank is not None))
-        old_specs = _broadcast_specs(old_specs, old_src, group)
+        if known_old is None:
+            old_src = identity.union_rank(min(p.pid for p in identity.processes if p.old_rank is not None))
+            old_specs = _broadcast_specs(old_specs, old_src, group)
+        elif old_specs is None:
+            old_specs = dict(known_old)
     if any(p.new_rank is None for p in identity.processes):
         new_specs = _broadcast_specs(new_specs, identity.union_rank(identity.by_new_rank(0).pid), group)
     assert old_specs is not None and new_specs is not None

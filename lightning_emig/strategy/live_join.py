@@ -6,9 +6,10 @@ at an optimizer-step boundary and start a new one in the same process, with thei
 Both sides then run the identical startup and meet in ``load_checkpoint``, where, instead of reading a file:
 
 1. every process says who it is (node, local rank, old rank or None): one ``all_gather_object``;
-2. the lowest new rank that holds state broadcasts the old layout and world, the optimizer-state template
-   (what joiners need to allocate their optimizer state) and the resume metadata Lightning restores itself
-   (loops with the data stream's committed offset, callbacks, LR schedulers);
+2. the lowest new rank that holds state broadcasts the old layout and world, the specs of its old state (the
+   joiners allocate their optimizer state from its optimizer entries, and the migration plans from them: no
+   broadcast of its own) and the resume metadata Lightning restores itself (loops with the data stream's
+   committed offset, callbacks, LR schedulers);
 3. every process allocates the new optimizer state and :func:`~lightning_emig.migration.change.execute_change`
    moves parameters, persistent buffers and optimizer state point to point (old storage is released as it leaves);
 4. the loop counters are re-expressed for this world's gradient accumulation (from the layout they were captured
@@ -56,7 +57,8 @@ class _Announcement:
 
     old_layout: dict[str, int]
     old_world: int
-    optimizer_template: dict[str, ShardingSpec]
+    state_specs: dict[str, ShardingSpec]
+    """Every tensor's spec in the broadcasting process's old state (under pipeline stages: its stage's only)."""
     metadata: dict[str, Any]
     seconds: dict[str, float]
     last_step_wall: float
@@ -90,7 +92,8 @@ def join_live(
         assert handoff is not None
         box[0] = _Announcement(
             old_layout=handoff.old_layout.as_dict(), old_world=handoff.old_world,
-            optimizer_template=handoff.optimizer_template, metadata=handoff.metadata, seconds=dict(handoff.seconds),
+            state_specs={k: t.spec for k, t in (handoff.state or {}).items()}, metadata=handoff.metadata,
+            seconds=dict(handoff.seconds),
             last_step_wall=handoff.last_step_wall, prior=handoff.prior,
         )
     dist.broadcast_object_list(box, src=source)
@@ -121,17 +124,18 @@ def join_live(
         # state (two thirds of an AdamW state) is taken as it is; only the parameters are copied into the model.
         adopted = adopt_optimizer_state(module, optimizer, held)
         held = {k: t for k, t in held.items() if k not in adopted}
-    template = news.optimizer_template
+    old_specs = {k: spec for k, spec in news.state_specs.items() if k not in adopted}
+    template = {k: spec for k, spec in old_specs.items() if k.startswith("optim/")}
     if old_layout.pp > 1 or strategy.layout.pp > 1:  # each old stage holds its own parameters' state only
         template = whole_state_specs(handoff.optimizer_template if handoff is not None else None, old_layout,
                                      strategy.layout)
-    template = {k: spec for k, spec in template.items() if k not in adopted}
+        template = {k: spec for k, spec in template.items() if k not in adopted}
     new_state.update(allocate_optimizer_state(module, optimizer, template))
     strategy.live_transfer_started = True  # from here a failure may leave the handoff's state partly released
     record = execute_change(
         kind="join", step=int(news.metadata["global_step"]), old_state=held,
         new_state=new_state, old_layout=old_layout, new_layout=strategy.layout, identity=identity, pid=rank,
-        transfer=settings.transfer,
+        transfer=settings.transfer, old_specs=old_specs,
     )
     if handoff is not None:
         handoff.state = None  # released by the migration; drop the references
