@@ -284,6 +284,70 @@ def test_state_moves_between_stage_layouts_bit_exact(name: str) -> None:
         assert mismatches == [None] * changes, f"process {rank}: {mismatches}"
 
 
+def _counting_stage_worker(rank: int, processes: int, chain: tuple[Step, ...]) -> tuple[list[str | None], int]:
+    """:func:`_stage_migration_worker`, counting the gatherings of pickled specs (in this worker process only)."""
+    from lightning_emig.migration import engine
+
+    gathered = engine._union_of_sides
+    calls: list[int] = []
+
+    def counted(sides: list[Any], group: Any) -> Any:
+        calls.append(len(sides))
+        return gathered(sides, group)
+
+    engine._union_of_sides = counted
+    return _stage_migration_worker(rank, processes, chain), len(calls)
+
+
+@pytest.mark.timeout(180)
+def test_a_change_of_stages_seen_before_gathers_no_pickled_specs() -> None:
+    """pp2 -> s2 -> pp2 -> s2 on the same two processes: the first change gathers the stages' specs (pickled); the
+    change back finds every process holding what it held then (the old side then is the new side now), and so
+    does the repeat: they gather digests only, and every state is bit-exact all the same."""
+    chain = _chain(({"pp": 2}, 2), ({"dp_shard": 2}, 2), ({"pp": 2}, 2), ({"dp_shard": 2}, 2))
+    for rank, (mismatches, gatherings) in enumerate(
+            run_distributed(_counting_stage_worker, 2, chain, timeout_s=150)):
+        assert mismatches == [None] * 3, f"process {rank}: {mismatches}"
+        assert gatherings == 1, f"process {rank} gathered pickled specs {gatherings} times in 3 changes"
+
+
+def _union_worker(rank: int, world: int) -> list[tuple[list[str], list[str], bool]]:
+    """Five gatherings of two sides: process 1's specs change in the third and back in the fourth."""
+    from lightning_emig.migration import engine
+
+    gathered = engine._union_of_sides
+    pickled: list[bool] = []
+
+    def counted(sides: list[Any], group: Any) -> Any:
+        pickled.append(True)
+        return gathered(sides, group)
+
+    engine._union_of_sides = counted
+    config = get_model_config("tiny")
+    with torch.device("meta"):
+        specs = {key: t.spec for key, t in training_state(Llama(config), None).items()}
+    keys = sorted(specs)
+    mine = keys[rank::world]
+    other = keys[:3] if rank == 1 else mine  # process 1 holds fewer tensors in the third gathering
+    results = []
+    for own in (mine, mine, other, mine, mine):
+        before = len(pickled)
+        old, new = engine._stage_unions([{k: specs[k] for k in own}, None], None)
+        results.append((sorted(old), sorted(new), len(pickled) > before))
+    return results
+
+
+def test_specs_gathered_before_are_reused_only_where_every_process_holds_the_same() -> None:
+    results = run_distributed(_union_worker, 2, timeout_s=120)
+    assert results[0] == results[1]
+    unions = [old for old, _, _ in results[0]]
+    assert all(new == [] for _, new, _ in results[0])
+    assert unions[0] == unions[1] == unions[3] == unions[4] and len(unions[2]) < len(unions[0])
+    # new sides are None everywhere: gathered once, then cached; the old side is gathered again whenever the
+    # digests differ from the ones this process gathered with its own digest last time
+    assert [pickled for _, _, pickled in results[0]] == [True, False, True, True, False]
+
+
 #: (old layout, survivors, new layout) of a failure's rebuild on 4 processes (2 per node)
 REBUILDS = {
     # pp2 x dp_replicate2 in the default order; process 3 dies: stage 1 comes from its replica, process 2

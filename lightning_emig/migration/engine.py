@@ -7,6 +7,9 @@
    rank, unless the caller already gave them to every process (a join's announcement carries them), where one has
    no new state (a leaver) the new specs from new rank 0 (one broadcast each); a side every process holds (both,
    in a layout change on the same processes) is each process's own, and the next all-gather checks they agree;
+   where a layout has pipeline stages (each stage holds its own tensors), the union of every process's specs, from
+   one all-gather of the pickled specs, or, where every process holds the specs it held when they were last
+   gathered (a change repeated or reversed), from that gathering (an all-gather of digests only);
 2. plan locally (no communication: every process derives the same plan); plans are cached per (specs, layouts,
    identity, process, options), so a change seen before (a layout switched back and forth, a benchmark's repeats)
    pays no planning;
@@ -28,6 +31,7 @@ or any group whose ranks are the union's processes ordered by pid.
 
 from __future__ import annotations
 
+import hashlib
 import time
 import zlib
 from collections import OrderedDict
@@ -242,7 +246,7 @@ def _agreed_specs(
     old_specs = {k: t.spec for k, t in old_state.items()} if old_state else None
     new_specs = {k: t.spec for k, t in new_state.items()} if new_state else None
     if old_layout.pp > 1 or new_layout.pp > 1:
-        old_union, new_union = _union_of_sides([old_specs, new_specs], group)
+        old_union, new_union = _stage_unions([old_specs, new_specs], group)
         return old_union, new_union
     if any(p.old_rank is None for p in identity.processes):
         if known_old is None:
@@ -254,6 +258,56 @@ def _agreed_specs(
         new_specs = _broadcast_specs(new_specs, identity.union_rank(identity.by_new_rank(0).pid), group)
     assert old_specs is not None and new_specs is not None
     return old_specs, new_specs
+
+
+#: Unions of the processes' specs of one side under pipeline stages, by (this process's digest of its specs of that
+#: side, group size): the digests every process sent when they were gathered, and the union.
+_UNIONS: OrderedDict[tuple[int, int], tuple[tuple[int, ...], dict[str, ShardingSpec]]] = OrderedDict()
+_UNION_CACHE_SIZE = 8
+
+
+def _stage_unions(
+    sides: list[dict[str, ShardingSpec] | None], group: dist.ProcessGroup | None
+) -> list[dict[str, ShardingSpec]]:
+    """:func:`_union_of_sides` where a layout has pipeline stages, without pickling specs that were gathered before.
+
+    Each stage holds its own tensors, so a process learns the others' specs from them. Every process sends, per
+    side, a digest of its own specs (one all-gather of int64s); a side for which every process gathered exactly
+    these digests before (the same processes holding the same specs: a change repeated, or reversed, the side
+    being old then and new now) is taken from that gathering; only the other sides are gathered (pickled, two
+    collectives more). Every process takes the same branch: with each digest it sends the digest list it gathered
+    with it last time, and a side is taken from the cache only where every process's matches the list of now."""
+    world = dist.get_world_size(group)
+    mine = [_stable_digest(side) for side in sides]
+    seen = [_UNIONS.get((digest, world)) for digest in mine]
+    sent = [value for digest, entry in zip(mine, seen, strict=True)
+            for value in (digest, _stable_digest(entry[0]) if entry is not None else 0)]
+    gathered = _gather_ints(sent, group)
+    unions: list[dict[str, ShardingSpec]] = [{} for _ in sides]
+    missing: list[int] = []
+    for index, entry in enumerate(seen):
+        digests = tuple(g[2 * index] for g in gathered)
+        if entry is not None and all(g[2 * index + 1] == _stable_digest(digests) for g in gathered):
+            unions[index] = dict(entry[1])
+            _UNIONS.move_to_end((mine[index], world))
+        else:
+            missing.append(index)
+    if missing:
+        for index, union in zip(missing, _union_of_sides([sides[i] for i in missing], group), strict=True):
+            unions[index] = union
+            _UNIONS[(mine[index], world)] = (tuple(g[2 * index] for g in gathered), dict(union))
+        while len(_UNIONS) > _UNION_CACHE_SIZE:
+            _UNIONS.popitem(last=False)
+    return unions
+
+
+def _stable_digest(value: object) -> int:
+    """A nonzero int64 of ``repr(value)`` (of a dict: of its sorted items), the same in every process (``hash`` of a
+    string differs per process); 63 bits, so that a cache keyed by it is never wrong in practice."""
+    if isinstance(value, dict):
+        value = sorted(value.items())
+    number = int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 1
+    return number or 1
 
 
 def _digest(old_specs: dict[str, ShardingSpec], new_specs: dict[str, ShardingSpec]) -> int:
