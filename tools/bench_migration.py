@@ -46,7 +46,8 @@ Each record's fields:
   written + bytes read back by the new ranks; ``gather_bcast``: logical bytes, what a gather to rank 0 receives
   plus what the broadcast delivers (``full_tensor`` all-gathers, so the wire carries more);
 * ``link_limit_seconds``: a raw ``batch_isend_irecv`` of preallocated contiguous buffers with exactly ``direct``'s
-  per-pair byte counts, after a warm-up exchange, median of ``--repeats`` (the same for every method of a transition);
+  per-pair byte counts, after a warm-up exchange, median of ``--repeats`` (the same for every method of a transition;
+  like every method, timed after the disk has settled: no checkpoint's writeback runs beside it);
 * ``peak_extra_bytes``: ``direct``: the transfer's largest send + receive buffer space in one round
   (``TransferStats.peak_buffer_bytes``, max over processes); the others: measured growth of the busiest process's
   peak RSS over its RSS just before (freed heap returned with ``malloc_trim``, VmHWM reset through
