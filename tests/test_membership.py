@@ -135,10 +135,10 @@ def test_a_node_joins_live_training_without_restarting_the_survivor(tmp_path: Pa
     assert reported is not None, "rank 0 did not report the join's lost time"
     assert int(reported.group(1)) == join["step"]
     assert float(reported.group(2)) == pytest.approx(annotated["lost_seconds"], abs=0.01)
-    # B faulted in A's published working set (rescaled to its share of the state) before it said it was ready.
     # The model is summarised when training starts, not again in the join's pause (the same model, rank 0 working
     # the summary out while B waited for it).
     assert (tmp_path / "a.log").read_text().count("Total params") == 1
+    # B faulted in A's published working set (rescaled to its share of the state) before it said it was ready.
     warmed = re.search(r"warmed ([\d.]+) GB of host memory", (tmp_path / "b.log").read_text())
     assert warmed is not None and float(warmed.group(1)) > 0, "the joiner did not warm its memory before joining"
 

@@ -47,7 +47,7 @@ Each record's fields:
   plus what the broadcast delivers (``full_tensor`` all-gathers, so the wire carries more);
 * ``link_limit_seconds``: a raw ``batch_isend_irecv`` of preallocated contiguous buffers with exactly ``direct``'s
   per-pair byte counts, after a warm-up exchange, median of ``--repeats`` (the same for every method of a transition;
-  like every method, timed after the disk has settled: no checkpoint's writeback runs beside it);
+  like every method, timed after the disk has been synced, untimed);
 * ``peak_extra_bytes``: ``direct``: the transfer's largest send + receive buffer space in one round
   (``TransferStats.peak_buffer_bytes``, max over processes); the others: measured growth of the busiest process's
   peak RSS over its RSS just before (freed heap returned with ``malloc_trim``, VmHWM reset through
@@ -454,9 +454,9 @@ def _local_nbytes(tensor: torch.Tensor) -> int:
 
 
 def _settle_disk() -> None:
-    """Untimed: the checkpoints written so far reach the disk before the next method or the link limit is timed. A DCP
-    save leaves gigabytes of dirty pages that the kernel writes back while whatever runs next is timed: the link limit,
-    timed last, once took 1.21 s for a 350M exchange that took 0.71 s after a sync."""
+    """Untimed: the disk settles (``os.sync``) before the next method or the link limit is timed. The link limit, timed
+    right after the DCP methods, once took 1.21 s for a 350M exchange that took 0.71 s with a sync first (0.69 s between
+    two fresh processes); which of DCP's leftovers slowed it (its files are fsynced, then deleted) is not pinned down."""
     os.sync()
     dist.barrier()
 
