@@ -64,7 +64,7 @@ def test_the_strategy_brings_its_launcher_only_under_lightning_emig_run(
 def test_a_change_drops_only_the_children_that_hold_state() -> None:
     from torch import nn
 
-    from lightning_emig.strategy.reconfigure import check_rebuilt, drop_model
+    from lightning_emig.strategy.rebuild import check_rebuilt, drop_model
 
     module = nn.Module()
     module.model, module.criterion = nn.Linear(2, 2), nn.CrossEntropyLoss()

@@ -143,6 +143,7 @@ def _bar_during_reconfigure(rank: int, world: int, root: str) -> dict[str, Any]:
     cfg = with_schedule(tiny_config(layout={"dp_shard": 2}, max_steps=4, world_size=world),
                         [(2, {"dp_shard": 1, "tp": 2})])
     cfg.trainer.progress_bar = True
+    cfg.elastic.prepare_ahead_steps = 0  # the model is built in the pause, where the bar is read
     parts = build_run(cfg, Path(root))
     bar = next(cb for cb in parts.trainer.callbacks if isinstance(cb, StepProgressBar))
     seen: list[tuple[int, str]] = []

@@ -77,3 +77,48 @@ def test_an_impossible_layout_fails_loudly(tmp_path: Path) -> None:
     # Raised while validating, before any state is touched.
     with pytest.raises(WorkerFailed, match="LayoutError: cannot fill dp_shard=-1: .* does not divide the world size 2"):
         run_distributed(_impossible, 2, str(tmp_path), timeout_s=120)
+
+
+def _prepared_or_not(rank: int, world: int, root: str, ahead: int) -> dict[str, object]:
+    import hashlib
+    import threading
+
+    import lightning_emig.migration.engine as engine
+    from lightning_emig.migration.state import planned_optimizer_specs, training_state
+
+    planned_on: list[str] = []
+    plan_for_rank = engine.plan_for_rank
+
+    def recording(*args: object, **kwargs: object) -> object:
+        planned_on.append(threading.current_thread().name)
+        return plan_for_rank(*args, **kwargs)
+
+    engine.plan_for_rank = recording
+    cfg = with_schedule(tiny_config(layout={"dp_shard": 2}, max_steps=5, world_size=world), [(3, {"tp": 2})])
+    cfg.elastic.prepare_ahead_steps = ahead
+    parts = fit(cfg, Path(root))
+    optimizer = parts.trainer.optimizers[0]
+    optim = {k: t.spec for k, t in training_state(parts.module, optimizer).items() if k.startswith("optim/")}
+    weights = hashlib.sha256()
+    for _, param in sorted(parts.module.named_parameters()):
+        weights.update(param.detach().full_tensor().numpy().tobytes())
+    return {"losses": step_losses(parts), "events": [e.as_dict() for e in parts.strategy.events],
+            "planned_on": planned_on, "weights": weights.hexdigest(),
+            "specs_as_allocated": planned_optimizer_specs(parts.module, optim) == optim}
+
+
+def test_a_change_prepared_while_training_equals_one_built_in_the_pause(tmp_path: Path) -> None:
+    built = run_distributed(_prepared_or_not, 2, str(tmp_path / "built"), 0, timeout_s=300)
+    prepared = run_distributed(_prepared_or_not, 2, str(tmp_path / "prepared"), 1, timeout_s=300)
+    # the same arithmetic: bit for bit, every step and the final weights
+    assert prepared[0]["losses"] == built[0]["losses"] and len(built[0]["losses"]) == 5
+    assert prepared[0]["weights"] == built[0]["weights"]
+    (event,) = prepared[0]["events"]
+    (at_boundary,) = built[0]["events"]
+    assert {"mesh", "build"} <= set(at_boundary["seconds"]) and at_boundary.get("prepared_seconds") is None
+    # prepared: the pause waited for the thread and swapped the model in; mesh, model and plan were built meanwhile
+    assert {"prepare wait", "install"} <= set(event["seconds"]) and not {"mesh", "build"} & set(event["seconds"])
+    assert set(event["prepared_seconds"]) >= {"build", "plan"}
+    for result in prepared:  # every rank planned in the background thread, and migrate found that plan cached
+        assert result["planned_on"] and set(result["planned_on"]) == {"lightning-emig-prepare"}
+    assert all(r["specs_as_allocated"] for r in prepared + built)

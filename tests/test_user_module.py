@@ -4,6 +4,8 @@
   sampler: across a change from ``dp_shard=2`` to ``tp=2`` (data-parallel degree 2 -> 1) every step trains on the same
   samples as the uninterrupted run, and the loss follows it;
 * the module keeps its config under the ordinary name ``model_config`` (no ``n_heads`` there): nothing guesses it;
+* the schedule prepares the change while the old layout trains: the user's ``configure_model`` runs on a stand-in
+  in the background, and the pause builds nothing;
 * persistent buffers move bit for bit: the example's unsharded ``tokens_seen`` and a buffer sharded over the data-
   parallel axis (``Shard(0)`` DTensor) whose every element is distinct;
 * what cannot be adopted (an ``IterableDataset``, a custom sampler, a batch size that is not the micro batch) is
@@ -91,6 +93,9 @@ def test_a_plain_dataloader_and_persistent_buffers_survive_a_layout_change(tmp_p
     reference = run_distributed(_fit, 2, str(tmp_path / "ref"), False, timeout_s=300)[0]
     live = run_distributed(_fit, 2, str(tmp_path / "live"), True, timeout_s=300)[0]
     assert [(e["kind"], e["step"], e["new_layout"]["tp"]) for e in live["events"]] == [("reconfigure", CHANGE_AT, 2)]
+    # the schedule had the new layout built while the old one trained (the user's configure_model, on a stand-in)
+    assert set(live["events"][0]["prepared_seconds"]) >= {"build", "plan"}
+    assert "build" not in live["events"][0]["seconds"]
     samples, expected = _samples_per_step(tmp_path / "live"), _samples_per_step(tmp_path / "ref")
     assert sorted(samples) == list(range(STEPS)) and samples == expected, "the data order changed with the layout"
     assert all(len(ids) == 8 == len(set(ids)) for ids in samples.values())

@@ -293,6 +293,16 @@ def _cached_plan(
     return plan
 
 
+def plan_ahead(
+    old_specs: dict[str, ShardingSpec], new_specs: dict[str, ShardingSpec], old_layout: HybridLayout,
+    new_layout: HybridLayout, identity: IdentityMap, pid: int, planning: PlanOptions | None = None,
+) -> RankPlan:
+    """The plan :func:`migrate` will use for these specs (computed now and cached): for a change prepared before its
+    step boundary. Communicates nothing; the specs must be those ``migrate`` will agree on (no pipeline stages: there
+    they are the union over every process's, a collective)."""
+    return _cached_plan(old_specs, new_specs, old_layout, new_layout, identity, pid, planning or PlanOptions())
+
+
 def tensor_migrations(
     old_specs: dict[str, ShardingSpec], new_specs: dict[str, ShardingSpec], old: HybridLayout, new: HybridLayout
 ) -> list[TensorMigration]:

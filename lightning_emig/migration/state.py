@@ -251,6 +251,23 @@ def allocate_optimizer_state(
     return out
 
 
+def planned_optimizer_specs(model: torch.nn.Module, template: dict[str, ShardingSpec]) -> dict[str, ShardingSpec]:
+    """The specs :func:`allocate_optimizer_state` gives ``model``'s optimizer state, without allocating it (a plan
+    made before the state exists)."""
+    params = dict(model.named_parameters())
+    stage = holds_stage(model)
+    out: dict[str, ShardingSpec] = {}
+    for key, spec in template.items():
+        parts = _optimizer_key(key)
+        if parts is None or (parts[0] not in params and stage):
+            continue
+        if spec.global_shape == ():
+            out[key] = ShardingSpec((), spec.dtype, (), (), owner=spec.owner)
+        else:
+            out[key] = dataclasses.replace(spec_of(params[parts[0]]), dtype=spec.dtype, owner=spec.owner)
+    return out
+
+
 def adopt_optimizer_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, held: dict[str, StateTensor]
 ) -> set[str]:

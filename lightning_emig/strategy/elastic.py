@@ -63,6 +63,7 @@ from lightning_emig.membership.group import (
 from lightning_emig.membership.handoff import LIVE_CHECKPOINT, LiveHandoff
 from lightning_emig.membership.settings import ElasticSettings, LayoutChoice, validate_layout_for_module
 from lightning_emig.migration.change import ChangeRecord
+from lightning_emig.migration.planner import IdentityMap
 from lightning_emig.migration.state import training_state
 from lightning_emig.migration.transfer import DEFAULT_BUCKET_BYTES, TransferOptions
 from lightning_emig.strategy.async_checkpoint import AsyncCheckpointWriter
@@ -83,7 +84,9 @@ from lightning_emig.strategy.pipeline import (
     check_schedule,
     param_groups_of_every_stage,
 )
-from lightning_emig.strategy.reconfigure import ReconfigureEvent, check_rebuilt, reconfigure_live
+from lightning_emig.strategy.prepare import LayoutPreparation, ShadowView
+from lightning_emig.strategy.rebuild import check_rebuilt, node_of_every_rank
+from lightning_emig.strategy.reconfigure import ReconfigureEvent, reconfigure_live
 from lightning_emig.strategy.rendezvous import RendezvousCallback
 from lightning_emig.strategy.resume import check_checkpoint_matches, restart_reason
 from lightning_emig.strategy.rng import gather_rng_states, restore_rng_for_rank
@@ -168,8 +171,10 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         self._loaders: list[MicroBatchLoader] = []
         self.bucket_bytes = bucket_bytes
         self.checksum = checksum
-        self.migrating = False
-        """True while ``configure_model`` runs for a migration: it may skip initialisation."""
+        self._migrating = False
+        self.shadow_view = ShadowView()
+        """What a thread preparing a layout change sees as ``layout_mesh`` and ``migrating`` (see ``prepare``)."""
+        self._preparation: LayoutPreparation | None = None
         self.events: list[ReconfigureEvent] = []
         self._pending_layout: HybridLayout | None = None
         self._incoming_handoff: LiveHandoff | None = None
@@ -244,7 +249,18 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         return self._layout_mesh is not None
 
     @property
+    def migrating(self) -> bool:
+        """True while ``configure_model`` runs for a migration: it may skip initialisation."""
+        return self.shadow_view.migrating or self._migrating
+
+    @migrating.setter
+    def migrating(self, value: bool) -> None:
+        self._migrating = value
+
+    @property
     def layout_mesh(self) -> LayoutMesh:
+        if self.shadow_view.layout_mesh is not None:  # seen by a thread preparing a change only
+            return self.shadow_view.layout_mesh
         if self._layout_mesh is None:
             raise RuntimeError("the layout mesh exists once processes are initialised (from configure_model on)")
         return self._layout_mesh
@@ -475,6 +491,44 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         self._pending_layout = layout
         if at_step_boundary(trainer):
             self.apply_pending_reconfigure(trainer)
+
+    def prepare_reconfigure(self, layout: HybridLayout | dict[str, int]) -> None:
+        """Start building ``layout`` (mesh, model, plan) in a background thread while training goes on; the next
+        :meth:`reconfigure` to the same layout then pauses only for the optimizer, the transfer and the restore.
+
+        Every rank must call it with the same layout at the same step boundary, and create no process group until
+        that ``reconfigure`` (see :mod:`~lightning_emig.strategy.prepare`). A second call replaces the first (after
+        waiting for it). Until the change, each process holds the new parameters next to its old state. A change to
+        or from pipeline stages is not prepared (it is built at the boundary).
+        """
+        if isinstance(layout, dict):
+            layout = HybridLayout(**layout)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.training:
+            raise RuntimeError("prepare_reconfigure(layout) works during Trainer.fit")
+        resolved = layout.resolve(self.world_size)
+        self.elastic_settings.validate_layout(resolved)
+        self.discard_preparation()
+        if resolved.pp > 1 or self.layout.pp > 1:
+            # Where a layout has stages each process knows its own stage's specs only: the rank order and the plan
+            # need every process's (a collective on the default group, which the training thread uses).
+            log.info("a change to or from pipeline stages is built at the step boundary, not prepared")
+            return
+        module = self.lightning_module
+        old_specs = {k: t.spec for k, t in training_state(module, self.optimizers[0]).items()}
+        identity = IdentityMap.same_processes(self.world_size, node_of_every_rank())
+        self._preparation = LayoutPreparation(self, layout, old_specs=old_specs, identity=identity)
+
+    def take_preparation(self) -> LayoutPreparation | None:
+        """The pending preparation, handed to the change that uses or discards it."""
+        preparation, self._preparation = self._preparation, None
+        return preparation
+
+    def discard_preparation(self) -> None:
+        """Wait for a pending preparation's thread and drop what it built (its groups stay, like any old mesh's)."""
+        preparation = self.take_preparation()
+        if preparation is not None:
+            preparation.wait(self.timeout.total_seconds())
 
     def apply_pending_reconfigure(self, trainer: pl.Trainer) -> None:
         layout, self._pending_layout = self._pending_layout, None
@@ -810,7 +864,10 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
     def teardown(self) -> None:
         # Never lose the last periodic checkpoint; after a failure (a peer may be dead) do not wait for it.
         trainer = getattr(self.lightning_module, "_trainer", None)
-        self._checkpoint_writer.close(wait=not (trainer is not None and trainer.interrupted))
+        interrupted = trainer is not None and trainer.interrupted
+        if not interrupted:  # after a failure its thread may wait on a dead peer: left to die with the groups
+            self.discard_preparation()
+        self._checkpoint_writer.close(wait=not interrupted)
         self._loaders.clear()
         super().teardown()
 

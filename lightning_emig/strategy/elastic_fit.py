@@ -55,7 +55,7 @@ from lightning_emig.membership.below_min import wait_for_enough_nodes
 from lightning_emig.membership.failure import Rollback, is_peer_failure, recover_from_failure
 from lightning_emig.membership.group import enter_generation, joining_live, under_launcher
 from lightning_emig.membership.handoff import LIVE_CHECKPOINT, LiveHandoff
-from lightning_emig.strategy.reconfigure import drop_model
+from lightning_emig.strategy.rebuild import drop_model
 from lightning_emig.strategy.resume import newest_checkpoint
 
 if TYPE_CHECKING:

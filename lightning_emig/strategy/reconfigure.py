@@ -4,47 +4,42 @@ The steps, in order (each timed into the event):
 
 1. ``validate``: resolve the layout for the world, check the model accepts it and the global batch still
    divides — before anything is touched, so a bad request changes nothing;
-2. ``mesh``: build the new DeviceMesh on the existing process group;
-3. ``build``: drop the module's child modules and call its ``configure_model`` again under the new mesh, with
+2. ``prepare wait`` and ``install``, where the change was prepared while the old layout trained
+   (:mod:`~lightning_emig.strategy.prepare`: the mesh, the model and the plan built in the background): wait for
+   that thread, agree that every process prepared it, swap the new mesh and model in; steps 3 and 4 are skipped;
+3. ``mesh``: build the new DeviceMesh on the existing process group;
+4. ``build``: drop the module's child modules and call its ``configure_model`` again under the new mesh, with
    ``strategy.migrating`` set so it may skip initialisation (the migration overwrites every parameter);
    ``rank order``: where the request leaves the rank order open, the new model's specs say which order keeps the
    most state in place (:mod:`lightning_emig.migration.rank_order`); when that is not the default one, the mesh
    and the model are built again under it (a meta build: far cheaper than the bytes it saves on the wire);
-4. ``optimizers``: call ``configure_optimizers`` for the new parameters, allocate the optimizer state;
-5. ``transfer``: :func:`lightning_emig.migration.engine.migrate` moves parameters and optimizer state;
-6. ``restore``: optimizer hyper-parameters and scheduler state, gradient accumulation, data topology, the
+5. ``optimizers``: call ``configure_optimizers`` for the new parameters, allocate the optimizer state;
+6. ``transfer``: :func:`lightning_emig.migration.engine.migrate` moves parameters and optimizer state;
+7. ``restore``: optimizer hyper-parameters and scheduler state, gradient accumulation, data topology, the
    data fetcher's iterator (its prefetched batch belonged to the old layout) and the batch counters.
 
-What a LightningModule must do to be re-laid-out: build its model in ``configure_model`` from
-``self.trainer.strategy.layout_mesh`` whenever its model attribute is ``None`` (the strategy sets every direct
-child module to ``None`` first), and hold no other reference to old parameters.
+What a LightningModule must do to be re-laid-out: see :mod:`~lightning_emig.strategy.rebuild`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
-import os
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lightning_emig.launcher.generation import ENV_NODE_ID
 from lightning_emig.layout import HybridLayout, build_mesh
 from lightning_emig.migration.change import ChangeRecord, execute_change, whole_state_specs
-from lightning_emig.migration.engine import tensor_migrations
-from lightning_emig.migration.planner import IdentityMap, TensorMigration
-from lightning_emig.migration.rank_order import choose_rank_order
+from lightning_emig.migration.planner import IdentityMap
 from lightning_emig.migration.state import StateTensor, allocate_optimizer_state, training_state
+from lightning_emig.strategy.prepare import take_prepared
 from lightning_emig.strategy.progress import show_migration
+from lightning_emig.strategy.rebuild import node_of_every_rank, rank_order_keeping_state, rebuild_model
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_emig.strategy.elastic import ElasticMigrationStrategy
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -68,6 +63,9 @@ class ReconfigureEvent:
     """Steps done on the old world after the checkpoint a restart resumed from (recomputed on the new one)."""
     layout_choice: dict[str, Any] | None = None
     """Why the layout picker chose ``new_layout`` (None: the requested layout or the fixed rule)."""
+    prepared_seconds: dict[str, float] | None = None
+    """The phases a background preparation ran while the old layout trained (off the pause; None: built at the
+    boundary)."""
 
     @classmethod
     def of(cls, change: ChangeRecord, *, generation: int | None = None, downtime_seconds: float | None = None
@@ -83,7 +81,8 @@ class ReconfigureEvent:
 
     def as_dict(self) -> dict[str, Any]:
         optional = (("generation", self.generation), ("downtime_seconds", self.downtime_seconds),
-                    ("steps_rolled_back", self.steps_rolled_back), ("layout_choice", self.layout_choice))
+                    ("steps_rolled_back", self.steps_rolled_back), ("layout_choice", self.layout_choice),
+                    ("prepared_seconds", self.prepared_seconds))
         extra = {k: v for k, v in optional if v is not None}
         return {
             "kind": self.kind, "step": self.step, "old_layout": self.old_layout, "new_layout": self.new_layout,
@@ -118,7 +117,6 @@ def reconfigure_live(
     show_migration(trainer, f"migrating: reconfigure to {new_layout.describe()}")
     settings = strategy.elastic_settings
     settings.validate_layout(new_layout)
-    new_plan = settings.plan_for(new_layout)
     timer.lap("validate")
 
     old_optimizer = strategy.optimizers[0]
@@ -127,20 +125,16 @@ def reconfigure_live(
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in old_optimizer.param_groups]
     schedulers = [cfg.scheduler.state_dict() for cfg in strategy.lr_scheduler_configs]
 
-    strategy.install_mesh(build_mesh(new_layout, strategy.root_device.type, timeout=strategy.timeout), new_plan)
-    timer.lap("mesh")
-
-    _rebuild_model(strategy, module)
-    timer.lap("build")
-    identity = IdentityMap.same_processes(strategy.world_size, _node_of_every_rank())
-    if requested.rank_order is None and strategy.world_size > 1:
-        ordered = _rank_order_keeping_state(module, old_state, old_layout, new_layout, identity)
-        if ordered != new_layout:
-            new_layout = ordered
-            strategy.install_mesh(build_mesh(new_layout, strategy.root_device.type, timeout=strategy.timeout),
-                                  new_plan)
-            _rebuild_model(strategy, module)
-        timer.lap("rank order")
+    preparation = strategy.take_preparation()
+    prepared = take_prepared(strategy, preparation, requested)
+    if preparation is not None:
+        timer.lap("prepare wait")
+    if prepared is not None:
+        new_layout, identity = prepared.layout, prepared.identity
+        prepared.install(strategy, module)
+        timer.lap("install")
+    else:
+        new_layout, identity = _build_at_boundary(strategy, module, requested, new_layout, old_state, timer)
 
     strategy.setup_optimizers(trainer)
     new_optimizer = strategy.optimizers[0]
@@ -164,70 +158,32 @@ def reconfigure_live(
     _restore_optimizer_settings(strategy, hyper, schedulers)
     strategy.restart_data(trainer)
     timer.lap("restore")
-    return ReconfigureEvent.of(dataclasses.replace(record, seconds=timer.seconds))
+    event = ReconfigureEvent.of(dataclasses.replace(record, seconds=timer.seconds))
+    event.prepared_seconds = prepared.seconds if prepared is not None else None
+    return event
 
 
-def _rank_order_keeping_state(module: Any, old_state: dict[str, StateTensor], old_layout: HybridLayout,
-                              new_layout: HybridLayout, identity: IdentityMap) -> HybridLayout:
-    """``new_layout`` in the rank order that keeps the most of the model's state in place (the optimizer's moments
-    lie as their parameters do, so the parameters and buffers decide); the same answer on every process."""
-    old_specs = whole_state_specs({k: t.spec for k, t in old_state.items() if not k.startswith("optim/")},
-                                  old_layout, new_layout)
-    new_specs = whole_state_specs({k: t.spec for k, t in training_state(module, None).items()}, old_layout, new_layout)
-
-    def tensors_for(old: HybridLayout, new: HybridLayout) -> list[TensorMigration]:
-        return tensor_migrations(old_specs, new_specs, old, new)
-
-    choice = choose_rank_order(old_layout, new_layout, tensors_for, identity)
-    if choice.bytes_saved:
-        log.info("rank order %s keeps %.1f MB more of the model in place than the default",
-                 ">".join(choice.layout.rank_order or ()), choice.bytes_saved / 1e6)
-    return choice.layout
-
-
-def _node_of_every_rank() -> list[str]:
-    """Every rank's node (one small all-gather): the launcher's node id, else torchrun's host and agent."""
-    import torch.distributed as dist
-
-    mine = os.environ.get(ENV_NODE_ID) or f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '0')}"
-    nodes: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(nodes, mine)
-    return [str(n) for n in nodes]
-
-
-def drop_model(module: Any) -> list[str]:
-    """Set every direct child of ``module`` that holds parameters or buffers to None (its ``configure_model`` builds
-    them for the new layout; a child without state, e.g. a loss module, stays). Returns the names dropped."""
-    dropped = [name for name, child in module.named_children()
-               if any(True for _ in child.parameters()) or any(True for _ in child.buffers())]
-    for name in dropped:
-        setattr(module, name, None)
-    return dropped
-
-
-def check_rebuilt(module: Any, dropped: list[str]) -> None:
-    """After ``configure_model``: every dropped child was built again."""
-    missing = [name for name in dropped if getattr(module, name, None) is None]
-    if missing:
-        raise RuntimeError(
-            f"configure_model left {missing} as None after a change of layout: it must build every child that holds "
-            "parameters or buffers whenever it is None (the strategy drops them before a change)"
-        )
-
-
-def _rebuild_model(strategy: ElasticMigrationStrategy, module: Any) -> None:
-    dropped = drop_model(module)
-    strategy.migrating = True
-    try:
-        module.configure_model()
-    finally:
-        strategy.migrating = False
-    check_rebuilt(module, dropped)
-    if not any(True for _ in module.parameters()):
-        raise RuntimeError(
-            "configure_model built no parameters after the strategy reset the model: it must rebuild the model "
-            "whenever its model attribute is None (see lightning_emig.strategy.reconfigure)"
-        )
+def _build_at_boundary(strategy: ElasticMigrationStrategy, module: Any, requested: HybridLayout,
+                       new_layout: HybridLayout, old_state: dict[str, StateTensor], timer: _Timer
+                       ) -> tuple[HybridLayout, IdentityMap]:
+    """Build the mesh and the model for ``new_layout`` now, in the rank order that keeps the most state in place
+    where ``requested`` leaves it open; returns the layout built and the processes' identities."""
+    old_layout = strategy.layout
+    plan = strategy.elastic_settings.plan_for(new_layout)
+    strategy.install_mesh(build_mesh(new_layout, strategy.root_device.type, timeout=strategy.timeout), plan)
+    timer.lap("mesh")
+    rebuild_model(strategy, module)
+    timer.lap("build")
+    identity = IdentityMap.same_processes(strategy.world_size, node_of_every_rank())
+    if requested.rank_order is None and strategy.world_size > 1:
+        old_specs = {k: t.spec for k, t in old_state.items()}
+        ordered = rank_order_keeping_state(module, old_specs, old_layout, new_layout, identity)
+        if ordered != new_layout:
+            new_layout = ordered
+            strategy.install_mesh(build_mesh(new_layout, strategy.root_device.type, timeout=strategy.timeout), plan)
+            rebuild_model(strategy, module)
+        timer.lap("rank order")
+    return new_layout, identity
 
 
 def _restore_optimizer_settings(

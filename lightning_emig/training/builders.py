@@ -106,7 +106,8 @@ def failure_settings(cfg: TrainConfig) -> FailureSettings:
 def build_schedule(cfg: TrainConfig) -> LayoutSchedule | None:
     if not cfg.elastic.schedule:
         return None
-    return LayoutSchedule([(item.step, HybridLayout(**_section_dict(item.layout))) for item in cfg.elastic.schedule])
+    return LayoutSchedule([(item.step, HybridLayout(**_section_dict(item.layout))) for item in cfg.elastic.schedule],
+                          prepare_ahead_steps=cfg.elastic.prepare_ahead_steps)
 
 
 def build_loggers(cfg: TrainConfig, run_dir: Path) -> list[Logger]:

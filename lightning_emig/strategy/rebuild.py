@@ -1,0 +1,97 @@
+"""Building a LightningModule's model again for a new layout, and choosing the rank order that keeps most state.
+
+Shared by the live layout change (:mod:`~lightning_emig.strategy.reconfigure`, which builds at the step boundary)
+and its preparation in the background (:mod:`~lightning_emig.strategy.prepare`, which builds on a stand-in of the
+module while the old layout trains).
+
+What a LightningModule must do to be re-laid-out: build its model in ``configure_model`` from
+``self.trainer.strategy.layout_mesh`` whenever its model attribute is ``None`` (every direct child module that holds
+state is set to ``None`` first), and hold no other reference to old parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import TYPE_CHECKING, Any
+
+from lightning_emig.launcher.generation import ENV_NODE_ID
+from lightning_emig.migration.change import whole_state_specs
+from lightning_emig.migration.engine import tensor_migrations
+from lightning_emig.migration.planner import IdentityMap, TensorMigration
+from lightning_emig.migration.rank_order import choose_rank_order
+from lightning_emig.migration.state import ShardingSpec, training_state
+
+if TYPE_CHECKING:
+    from lightning_emig.layout import HybridLayout
+    from lightning_emig.strategy.elastic import ElasticMigrationStrategy
+
+log = logging.getLogger(__name__)
+
+
+def drop_model(module: Any) -> list[str]:
+    """Set every direct child of ``module`` that holds parameters or buffers to None (its ``configure_model`` builds
+    them for the new layout; a child without state, e.g. a loss module, stays). Returns the names dropped."""
+    dropped = [name for name, child in module.named_children()
+               if any(True for _ in child.parameters()) or any(True for _ in child.buffers())]
+    for name in dropped:
+        setattr(module, name, None)
+    return dropped
+
+
+def check_rebuilt(module: Any, dropped: list[str]) -> None:
+    """After ``configure_model``: every dropped child was built again."""
+    missing = [name for name in dropped if getattr(module, name, None) is None]
+    if missing:
+        raise RuntimeError(
+            f"configure_model left {missing} as None after a change of layout: it must build every child that holds "
+            "parameters or buffers whenever it is None (the strategy drops them before a change)"
+        )
+
+
+def rebuild_model(strategy: ElasticMigrationStrategy, module: Any) -> None:
+    """Drop ``module``'s model and build it again with ``configure_model``, under ``strategy.migrating`` (it may
+    skip initialisation: a migration overwrites every parameter) and the strategy's current ``layout_mesh``."""
+    dropped = drop_model(module)
+    strategy.migrating = True
+    try:
+        module.configure_model()
+    finally:
+        strategy.migrating = False
+    check_rebuilt(module, dropped)
+    if not any(True for _ in module.parameters()):
+        raise RuntimeError(
+            "configure_model built no parameters after the strategy reset the model: it must rebuild the model "
+            "whenever its model attribute is None (see lightning_emig.strategy.rebuild)"
+        )
+
+
+def rank_order_keeping_state(module: Any, old_specs: dict[str, ShardingSpec], old_layout: HybridLayout,
+                             new_layout: HybridLayout, identity: IdentityMap) -> HybridLayout:
+    """``new_layout`` in the rank order that keeps the most of the model's state in place (``module`` is built for
+    ``new_layout``; the optimizer's moments lie as their parameters do, so the parameters and buffers decide); the
+    same answer on every process. Communicates nothing."""
+    old = whole_state_specs({k: spec for k, spec in old_specs.items() if not k.startswith("optim/")},
+                            old_layout, new_layout)
+    new = whole_state_specs({k: t.spec for k, t in training_state(module, None).items()}, old_layout, new_layout)
+
+    def tensors_for(before: HybridLayout, after: HybridLayout) -> list[TensorMigration]:
+        return tensor_migrations(old, new, before, after)
+
+    choice = choose_rank_order(old_layout, new_layout, tensors_for, identity)
+    if choice.bytes_saved:
+        log.info("rank order %s keeps %.1f MB more of the model in place than the default",
+                 ">".join(choice.layout.rank_order or ()), choice.bytes_saved / 1e6)
+    return choice.layout
+
+
+def node_of_every_rank() -> list[str]:
+    """Every rank's node (one small all-gather on the default group): the launcher's node id, else torchrun's host
+    and agent."""
+    import torch.distributed as dist
+
+    mine = os.environ.get(ENV_NODE_ID) or f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '0')}"
+    nodes: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(nodes, mine)
+    return [str(n) for n in nodes]
