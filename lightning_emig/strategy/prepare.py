@@ -43,7 +43,12 @@ from lightning_emig.layout import HybridLayout, LayoutMesh, build_mesh
 from lightning_emig.migration.engine import plan_ahead
 from lightning_emig.migration.planner import IdentityMap
 from lightning_emig.migration.state import ShardingSpec, planned_optimizer_specs, training_state
-from lightning_emig.strategy.rebuild import check_rebuilt, drop_model, rank_order_keeping_state
+from lightning_emig.strategy.rebuild import (
+    check_built_again,
+    check_rebuilt,
+    drop_model,
+    rank_order_keeping_state,
+)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -115,14 +120,8 @@ class LayoutPreparation:
         self._error: BaseException | None = None
         self._meshes_built = 0
         self._mesh_failed = False
-        self.started = time.perf_counter()
-        self.finished: float | None = None
         self._thread = threading.Thread(target=self._run, name="lightning-emig-prepare", daemon=True)
         self._thread.start()
-
-    @property
-    def done(self) -> bool:
-        return not self._thread.is_alive()
 
     def wait(self, timeout_s: float) -> None:
         """Until the thread has finished (a thread still building after ``timeout_s`` is an error: a peer never
@@ -149,14 +148,14 @@ class LayoutPreparation:
             log.warning("preparing %s failed (it is built at the step boundary instead)", self.requested.describe(),
                         exc_info=True)
             self._error = exc
-        finally:
-            self.finished = time.perf_counter()
 
     def _prepare(self) -> PreparedLayout:
         strategy, seconds = self._strategy, {}
         started = time.perf_counter()
         layout = self.requested.resolve(strategy.world_size)
         layout_mesh = self._mesh(layout)
+        seconds["mesh"] = time.perf_counter() - started
+        started = time.perf_counter()
         children, attributes, stand_in = _build_on_stand_in(strategy, layout_mesh)
         seconds["build"] = time.perf_counter() - started
         if self.requested.rank_order is None and strategy.world_size > 1:
@@ -203,7 +202,7 @@ def _build_on_stand_in(strategy: ElasticMigrationStrategy, layout_mesh: LayoutMe
         stand_in.configure_model()
     finally:
         view.layout_mesh, view.migrating = None, False
-    check_rebuilt(stand_in, dropped)
+    check_built_again(stand_in, dropped)
     if type(stand_in) is not type(module):
         raise RuntimeError("configure_model changed the LightningModule's own class (e.g. fully_shard on the module "
                            "itself): its model cannot be prepared on a stand-in")

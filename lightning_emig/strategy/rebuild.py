@@ -59,6 +59,11 @@ def rebuild_model(strategy: ElasticMigrationStrategy, module: Any) -> None:
         module.configure_model()
     finally:
         strategy.migrating = False
+    check_built_again(module, dropped)
+
+
+def check_built_again(module: Any, dropped: list[str]) -> None:
+    """After ``configure_model`` ran for a change of layout: every dropped child was built again, with parameters."""
     check_rebuilt(module, dropped)
     if not any(True for _ in module.parameters()):
         raise RuntimeError(
