@@ -218,7 +218,8 @@ def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
 
 
 def allocate_optimizer_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, template: dict[str, ShardingSpec]
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, template: dict[str, ShardingSpec],
+    allocated: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, StateTensor]:
     """Create empty optimizer state for ``model``'s new parameters, with the keys (and dtypes) of ``template`` (a
     model cut to one pipeline stage: the keys of its own parameters).
@@ -227,7 +228,8 @@ def allocate_optimizer_state(
     placements); scalars are plain tensors, on the device torch's optimizers keep them on (the CPU, or the
     parameter's device for ``fused`` / ``capturable`` groups: a CUDA ``step`` on a plain group would cost a device
     sync per parameter per step). The tensors are installed in ``optimizer.state`` so the optimizer adopts them
-    as they are once the transfer has filled them.
+    as they are once the transfer has filled them. ``allocated`` (from :func:`allocate_optimizer_buffers`) are used
+    where they hold a key, rather than new ones.
     """
     params = dict(model.named_parameters())
     groups = {id(p): group for group in optimizer.param_groups for p in group["params"]}
@@ -244,10 +246,26 @@ def allocate_optimizer_state(
         if spec.global_shape == ():
             device = _scalar_state_device(groups.get(id(param), {}), param)
             value = torch.zeros((), dtype=spec.dtype, device=device)
+        elif allocated is not None and key in allocated:
+            value = allocated[key]
         else:
             value = torch.empty_like(param.data, dtype=spec.dtype)
         optimizer.state[param][state_name] = value
         out[key] = StateTensor(key, dataclasses.replace(spec_of(value), owner=spec.owner), local_of(value))
+    return out
+
+
+def allocate_optimizer_buffers(model: torch.nn.Module, template: dict[str, ShardingSpec]) -> dict[str, torch.Tensor]:
+    """The parameter-shaped optimizer state :func:`allocate_optimizer_state` would create for ``model`` (not the
+    scalars), allocated ahead of the optimizer that takes them."""
+    params = dict(model.named_parameters())
+    stage = holds_stage(model)
+    out: dict[str, torch.Tensor] = {}
+    for key, spec in template.items():
+        parts = _optimizer_key(key)
+        if parts is None or spec.global_shape == () or (parts[0] not in params and stage):
+            continue
+        out[key] = torch.empty_like(params[parts[0]].data, dtype=spec.dtype)
     return out
 
 
