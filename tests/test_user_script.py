@@ -8,6 +8,7 @@ same process throughout. Test holds stop rank 0 at given steps until the test ha
 the test says on any machine:
 
 * **join, then preemption with notice**: A trains alone; at step 20 B starts and joins (1 -> 2, dp_shard 2); at
+  step 40 the script's ``LayoutSchedule`` (``--layout-change 40:tp=2``) switches to tp 2, prepared a step ahead; at
   step 60 B's agent gets SIGTERM and B hands its state over (2 -> 1);
 * **worker SIGKILL with replicas** (``dp_replicate=2``): at step 25 B's worker is killed; A rebuilds from its own
   replica (no step lost); B's agent starts a fresh worker, which joins live (1 -> 2) at step 60;
@@ -28,8 +29,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
-from lightning_emig.examples.gpt import CountingSequences, GPTConfig
+from lightning_emig.examples.gpt import GPT, CountingSequences, GPTConfig
 from lightning_emig.strategy.events import read_events
 from lightning_emig.strategy.resume import is_complete
 from lightning_emig.testing.commands import (
@@ -135,14 +137,19 @@ def _print_events(events: list[dict]) -> None:
 
 @pytest.mark.timeout(420)
 def test_the_script_survives_a_join_and_a_preemption_in_one_fit_call(tmp_path: Path, reference: Future) -> None:
-    checked = _join_then_preempt(tmp_path, reference, layout=[], processes=1)
-    assert [(e["kind"], e["old_world"], e["new_world"]) for e in checked["events"]] == [("join", 1, 2),
-                                                                                       ("preempt", 2, 1)]
+    checked = _join_then_preempt(tmp_path, reference, layout=["--layout-change", "40:tp=2"], processes=1)
+    assert [(e["kind"], e["step"], e["old_world"], e["new_world"]) for e in checked["events"]] == [
+        ("join", 20, 1, 2), ("reconfigure", 40, 2, 2), ("preempt", 60, 2, 1)]
     assert set(checked["ledger"].dp_degrees.values()) == {1, 2}
-    # A keeps its own half in the drain and B sends the other (bytes_moved); the next fit adopts AdamW's moments as
-    # they are and copies the parameters only: a third of the whole, not all of it (3x bytes_moved in all).
-    preempt = checked["events"][1]
-    assert preempt["bytes_copied_locally"] < 2 * preempt["bytes_moved"], preempt
+    # the script's own schedule: built while step 40 trained, swapped in at its boundary
+    reconfigure = checked["events"][1]
+    assert reconfigure["new_layout"]["tp"] == 2 and "install" in reconfigure["seconds"], reconfigure
+    # The drain copies what A holds and B sends the rest (bytes_moved): the whole state once; the next fit adopts
+    # AdamW's moments as they are and copies the parameters only, a third of the whole more (not all of it again).
+    preempt = checked["events"][2]
+    with torch.device("meta"):
+        whole = 3 * sum(p.numel() * p.element_size() for p in GPT(GPTConfig()).parameters())  # fp32 AdamW
+    assert preempt["bytes_copied_locally"] + preempt["bytes_moved"] < 1.5 * whole, preempt
 
 
 @pytest.mark.long  # live changes into and out of stages: test_pipeline_training.py

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_emig import HybridLayout, LayoutError
 from lightning_emig.parallelize import materialize_and_init, materialize_empty, parallelize_model
-from lightning_emig.strategy import ElasticMigrationStrategy
+from lightning_emig.strategy import ElasticMigrationStrategy, LayoutSchedule
 
 
 # ----------------------------------------------------------------------------------------------- the model
@@ -252,8 +252,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-every", type=int, default=10, help="periodic checkpoint interval (steps)")
     parser.add_argument("--ledger", action="store_true", help="record every sample trained on (data ledger)")
     parser.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds before a silent peer is dead")
+    parser.add_argument("--layout-change", type=_layout_change, action="append", default=[],
+                        metavar="STEP:AXIS=N[,AXIS=N]",
+                        help="switch live to this layout after optimizer step STEP, prepared in the background a "
+                             "step before (LayoutSchedule), e.g. 40:tp=2; repeatable")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
+
+
+def _layout_change(text: str) -> tuple[int, HybridLayout]:
+    """``40:tp=2,dp_shard=1`` -> (40, HybridLayout(tp=2, dp_shard=1))."""
+    step, _, axes = text.partition(":")
+    try:
+        degrees = {axis: int(degree) for axis, degree in (part.split("=") for part in axes.split(","))}
+        return int(step), HybridLayout(**degrees)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected STEP:AXIS=N[,AXIS=N], e.g. 40:tp=2 ({exc})") from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -273,6 +287,8 @@ def main(argv: list[str] | None = None) -> None:
     callbacks: list[Any] = [ModelCheckpoint(dirpath=args.out / "checkpoints", filename="step{step:06d}",
                                             auto_insert_metric_name=False, every_n_train_steps=args.checkpoint_every,
                                             save_top_k=-1)]
+    if args.layout_change:
+        callbacks.append(LayoutSchedule(args.layout_change))
     if args.ledger:
         from lightning_emig.training.ledger import DataLedger
 
