@@ -231,18 +231,9 @@ def allocate_optimizer_state(
     as they are once the transfer has filled them. ``allocated`` (from :func:`allocate_optimizer_buffers`) are used
     where they hold a key, rather than new ones.
     """
-    params = dict(model.named_parameters())
     groups = {id(p): group for group in optimizer.param_groups for p in group["params"]}
-    stage = holds_stage(model)
     out: dict[str, StateTensor] = {}
-    for key, spec in template.items():
-        parts = _optimizer_key(key)
-        if parts is None:
-            continue
-        name, state_name = parts
-        if name not in params and stage:
-            continue  # a pipeline stage holds the state of its own parameters only
-        param = params[name]
+    for key, spec, state_name, param in _states_of_held_parameters(model, template):
         if spec.global_shape == ():
             device = _scalar_state_device(groups.get(id(param), {}), param)
             value = torch.zeros((), dtype=spec.dtype, device=device)
@@ -258,32 +249,33 @@ def allocate_optimizer_state(
 def allocate_optimizer_buffers(model: torch.nn.Module, template: dict[str, ShardingSpec]) -> dict[str, torch.Tensor]:
     """The parameter-shaped optimizer state :func:`allocate_optimizer_state` would create for ``model`` (not the
     scalars), allocated ahead of the optimizer that takes them."""
-    params = dict(model.named_parameters())
-    stage = holds_stage(model)
-    out: dict[str, torch.Tensor] = {}
-    for key, spec in template.items():
-        parts = _optimizer_key(key)
-        if parts is None or spec.global_shape == () or (parts[0] not in params and stage):
-            continue
-        out[key] = torch.empty_like(params[parts[0]].data, dtype=spec.dtype)
-    return out
+    return {key: torch.empty_like(param.data, dtype=spec.dtype)
+            for key, spec, _, param in _states_of_held_parameters(model, template) if spec.global_shape != ()}
 
 
 def planned_optimizer_specs(model: torch.nn.Module, template: dict[str, ShardingSpec]) -> dict[str, ShardingSpec]:
     """The specs :func:`allocate_optimizer_state` gives ``model``'s optimizer state, without allocating it (a plan
     made before the state exists)."""
+    out: dict[str, ShardingSpec] = {}
+    for key, spec, _, param in _states_of_held_parameters(model, template):
+        if spec.global_shape == ():
+            out[key] = ShardingSpec((), spec.dtype, (), (), owner=spec.owner)
+        else:
+            out[key] = dataclasses.replace(spec_of(param), dtype=spec.dtype, owner=spec.owner)
+    return out
+
+
+def _states_of_held_parameters(model: torch.nn.Module, template: dict[str, ShardingSpec]
+                               ) -> Iterator[tuple[str, ShardingSpec, str, torch.nn.Parameter]]:
+    """(key, spec, state name, parameter) for every optimizer state of ``template`` whose parameter ``model`` holds
+    (a pipeline stage holds the state of its own parameters only)."""
     params = dict(model.named_parameters())
     stage = holds_stage(model)
-    out: dict[str, ShardingSpec] = {}
     for key, spec in template.items():
         parts = _optimizer_key(key)
         if parts is None or (parts[0] not in params and stage):
             continue
-        if spec.global_shape == ():
-            out[key] = ShardingSpec((), spec.dtype, (), (), owner=spec.owner)
-        else:
-            out[key] = dataclasses.replace(spec_of(params[parts[0]]), dtype=spec.dtype, owner=spec.owner)
-    return out
+        yield key, spec, parts[1], params[parts[0]]
 
 
 def adopt_optimizer_state(
