@@ -37,6 +37,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
+from lightning_emig.collector import freeze_what_exists, release_frozen
 from lightning_emig.data.adopt import USE_INSTEAD, DataLoaderNotElasticError, adopt_dataloader
 from lightning_emig.data.batching import BatchPlan
 from lightning_emig.data.loader import MicroBatchLoader
@@ -349,6 +350,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        freeze_what_exists()  # later collections, the ones a change sets off among them, walk only the fit's objects
         if self._checkpoint_writer.closed:  # the previous fit of this Trainer.fit call closed it
             self._checkpoint_writer = AsyncCheckpointWriter(self.timeout)
         if under_launcher():
@@ -870,6 +872,8 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             self.discard_preparation()
         self._checkpoint_writer.close(wait=not interrupted)
         self._loaders.clear()
+        if not isinstance(self._launcher, ElasticFitLauncher):  # its loop runs the next fit, and releases at the end
+            release_frozen()
         super().teardown()
 
 

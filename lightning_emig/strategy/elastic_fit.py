@@ -43,6 +43,7 @@ from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from typing_extensions import override
 
+from lightning_emig.collector import release_frozen
 from lightning_emig.launcher.generation import (
     ENV_NODE_ID,
     GenerationError,
@@ -122,6 +123,7 @@ class ElasticFitLauncher(_Launcher):
         finally:
             for index, callback in summaries:  # ascending: each goes back where it was
                 trainer.callbacks.insert(index, callback)
+            release_frozen()  # frozen as each fit started (lightning_emig.collector)
 
     def _announce_done(self) -> None:
         """Training ended: a node that joined in its last steps and still waits for admission leaves (exit 0), so
