@@ -11,9 +11,13 @@ thread, while the old layout keeps training:
    ``layout_mesh`` and ``migrating`` as that thread alone sees them (:class:`ShadowView`); where the request leaves
    the rank order open, the order that keeps the most state in place is chosen, and built, there too;
 3. the plan: this process's transfer list, cached where ``migrate`` looks for it;
-4. the new optimizer's parameter-shaped state, allocated for the optimizer the boundary creates; it and the new
-   model are written once, so that the transfer writes into mapped pages (a first write to fresh memory is ~4x
-   slower on the CPU).
+4. the new optimizer's parameter-shaped state, allocated for the optimizer the boundary creates.
+
+The new state is not written before the transfer. On the CPU its pages are mapped by the transfer's first writes, in
+the pause, where a change built at the boundary reuses the pages the old state gives back: writing them in the thread
+instead was measured (``llama_125m``, FSDP 2 -> TP 2) to take the transfer from 0.75 s to 0.36 s (medians) but cost
+2.2-2.8 s of the thread's CPU per process, which a machine training on all its cores takes from the overlapped step
+(about 15 % of a 10 s step): more lost than saved. Device memory comes mapped from torch's caching allocator.
 
 Not for a change to or from pipeline stages: there each process knows its own stage's specs only, and the rank order
 and the plan need every process's (a collective on the default group, which the training thread uses).
@@ -27,9 +31,10 @@ Rules and costs:
 
 * every rank prepares the same layouts in the same order and creates no other process group meanwhile (torch names
   groups by a per-process counter); a preparation is only used for the same old layout it was prepared from;
-* memory for the pause: from the preparation to the boundary a process holds its old state and the whole new state
-  (parameters and optimizer moments, resident), where a change built at the boundary stays within max(old, new) + a
-  bucket + the largest shard; ``prepare_ahead_steps=0`` builds at the boundary where that does not fit;
+* memory: from the preparation to the boundary a process holds its old state and the whole new state (parameters
+  and optimizer moments) allocated; on a GPU that is old + new of device memory, where a change built at the
+  boundary stays within max(old, new) + a bucket + the largest shard (on the CPU untouched pages cost nothing until
+  the transfer writes them, within that bound); ``prepare_ahead_steps=0`` builds at the boundary;
 * the thread takes CPU time from the steps it overlaps (``tools/bench_prepare.py`` measures the steps' slowdown).
 """
 
@@ -50,7 +55,6 @@ from lightning_emig.migration.planner import IdentityMap
 from lightning_emig.migration.state import (
     ShardingSpec,
     allocate_optimizer_buffers,
-    local_of,
     planned_optimizer_specs,
     training_state,
 )
@@ -92,8 +96,7 @@ class PreparedLayout:
     """Other attributes ``configure_model`` set on the stand-in."""
     identity: IdentityMap
     optimizer_buffers: dict[str, torch.Tensor]
-    """The new optimizer's parameter-shaped state, allocated (and its pages mapped) for the optimizer built at the
-    boundary."""
+    """The new optimizer's parameter-shaped state, allocated for the optimizer built at the boundary."""
     seconds: dict[str, float] = field(default_factory=dict)
     """The background phases (off the critical path)."""
 
@@ -181,15 +184,13 @@ class LayoutPreparation:
             seconds["rank order"] = time.perf_counter() - started
         started = time.perf_counter()
         optim = {k: spec for k, spec in self._old_specs.items() if k.startswith("optim/")}
-        new_state = training_state(stand_in, None)
-        new_specs = {k: t.spec for k, t in new_state.items()}
+        new_specs = {k: t.spec for k, t in training_state(stand_in, None).items()}
         new_specs.update(planned_optimizer_specs(stand_in, optim))
         plan_ahead(self._old_specs, new_specs, self.old_layout, layout, self._identity, strategy.global_rank)
         seconds["plan"] = time.perf_counter() - started
         started = time.perf_counter()
         optimizer_buffers = allocate_optimizer_buffers(stand_in, optim)
-        _touch([t.local for t in new_state.values()] + [local_of(t) for t in optimizer_buffers.values()])
-        seconds["touch"] = time.perf_counter() - started
+        seconds["optimizer state"] = time.perf_counter() - started
         return PreparedLayout(layout, layout_mesh, children, attributes, self._identity, optimizer_buffers, seconds)
 
     def _mesh(self, layout: HybridLayout) -> LayoutMesh:
@@ -232,17 +233,6 @@ def _build_on_stand_in(strategy: ElasticMigrationStrategy, layout_mesh: LayoutMe
 
 
 _MISSING = object()
-
-
-def _touch(tensors: list[torch.Tensor]) -> None:
-    """Write every page of the new state in host memory once (the transfer overwrites all of it): memory freshly
-    allocated is mapped on its first write, which on the CPU runs ~4x slower than a write into mapped pages
-    (measured: 256 MB at 2.5 vs 13 GB/s) and would otherwise fall in the pause. Device memory comes from torch's
-    caching allocator, mapped already: left alone."""
-    with torch.no_grad():
-        for tensor in tensors:
-            if tensor.device.type == "cpu":
-                tensor.zero_()
 
 
 def take_prepared(strategy: ElasticMigrationStrategy, preparation: LayoutPreparation | None,
