@@ -218,8 +218,7 @@ def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
 
 
 def allocate_optimizer_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, template: dict[str, ShardingSpec],
-    allocated: dict[str, torch.Tensor] | None = None,
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, template: dict[str, ShardingSpec]
 ) -> dict[str, StateTensor]:
     """Create empty optimizer state for ``model``'s new parameters, with the keys (and dtypes) of ``template`` (a
     model cut to one pipeline stage: the keys of its own parameters).
@@ -228,8 +227,7 @@ def allocate_optimizer_state(
     placements); scalars are plain tensors, on the device torch's optimizers keep them on (the CPU, or the
     parameter's device for ``fused`` / ``capturable`` groups: a CUDA ``step`` on a plain group would cost a device
     sync per parameter per step). The tensors are installed in ``optimizer.state`` so the optimizer adopts them
-    as they are once the transfer has filled them. ``allocated`` (from :func:`allocate_optimizer_buffers`) are used
-    where they hold a key, rather than new ones.
+    as they are once the transfer has filled them.
     """
     groups = {id(p): group for group in optimizer.param_groups for p in group["params"]}
     out: dict[str, StateTensor] = {}
@@ -237,20 +235,11 @@ def allocate_optimizer_state(
         if spec.global_shape == ():
             device = _scalar_state_device(groups.get(id(param), {}), param)
             value = torch.zeros((), dtype=spec.dtype, device=device)
-        elif allocated is not None and key in allocated:
-            value = allocated[key]
         else:
             value = torch.empty_like(param.data, dtype=spec.dtype)
         optimizer.state[param][state_name] = value
         out[key] = StateTensor(key, dataclasses.replace(spec_of(value), owner=spec.owner), local_of(value))
     return out
-
-
-def allocate_optimizer_buffers(model: torch.nn.Module, template: dict[str, ShardingSpec]) -> dict[str, torch.Tensor]:
-    """The parameter-shaped optimizer state :func:`allocate_optimizer_state` would create for ``model`` (not the
-    scalars), allocated ahead of the optimizer that takes them."""
-    return {key: torch.empty_like(param.data, dtype=spec.dtype)
-            for key, spec, _, param in _states_of_held_parameters(model, template) if spec.global_shape != ()}
 
 
 def planned_optimizer_specs(model: torch.nn.Module, template: dict[str, ShardingSpec]) -> dict[str, ShardingSpec]:

@@ -16,8 +16,11 @@ Cost: every rank generates every full parameter once (CPU time ~ model size, mem
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -104,10 +107,36 @@ def materialize_empty(model: nn.Module, device: torch.device | str, *,
                       init_buffers: Callable[[], None] | None = None) -> None:
     """Allocate ``model``'s storage on ``device`` without initializing parameters (a migration fills them, and its
     persistent buffers). Buffers are still filled by ``init_buffers`` (default: the model's, if any), so the
-    non-persistent ones, which are not migrated, hold their values."""
+    non-persistent ones, which are not migrated, hold their values.
+
+    Within :func:`materialization_deferred` (in that thread) it allocates nothing and records the call instead."""
+    if _deferral.calls is not None:
+        _deferral.calls.append(functools.partial(materialize_empty, model, device, init_buffers=init_buffers))
+        return
     model.to_empty(device=device)
     with torch.no_grad():
         _fill_buffers(model, init_buffers)
+
+
+class _Deferral(threading.local):
+    calls: list[Callable[[], None]] | None = None
+
+
+_deferral = _Deferral()
+
+
+@contextmanager
+def materialization_deferred() -> Iterator[list[Callable[[], None]]]:
+    """Within it, in this thread only, :func:`materialize_empty` leaves its model on the meta device and records
+    the call: the caller runs the recorded calls later, where the memory is better allocated (a layout change
+    prepared in the background allocates its new model at the boundary, where the pages the old state gives back
+    and the last step's freed ones are reused, not fresh pages written for the first time by the transfer)."""
+    calls: list[Callable[[], None]] = []
+    _deferral.calls = calls
+    try:
+        yield calls
+    finally:
+        _deferral.calls = None
 
 
 def _fill_buffers(model: nn.Module, init_buffers: Callable[[], None] | None) -> None:

@@ -10,14 +10,15 @@ thread, while the old layout keeps training:
    own registries of children, parameters and buffers, so the training model is untouched), the strategy's
    ``layout_mesh`` and ``migrating`` as that thread alone sees them (:class:`ShadowView`); where the request leaves
    the rank order open, the order that keeps the most state in place is chosen, and built, there too;
-3. the plan: this process's transfer list, cached where ``migrate`` looks for it;
-4. the new optimizer's parameter-shaped state, allocated for the optimizer the boundary creates.
+3. the plan: this process's transfer list, cached where ``migrate`` looks for it.
 
-The new state is not written before the transfer. On the CPU its pages are mapped by the transfer's first writes, in
-the pause, where a change built at the boundary reuses the pages the old state gives back: writing them in the thread
-instead was measured (``llama_125m``, FSDP 2 -> TP 2) to take the transfer from 0.75 s to 0.36 s (medians) but cost
-2.2-2.8 s of the thread's CPU per process, which a machine training on all its cores takes from the overlapped step
-(about 15 % of a 10 s step): more lost than saved. Device memory comes mapped from torch's caching allocator.
+The new model is built on the meta device: where ``configure_model`` allocates it through
+:func:`~lightning_emig.parallelize.materialize_empty`, that call is deferred to the boundary (``install``), so the
+preparation holds no new state and the new storage is allocated where a change built in the pause allocates it. On
+the CPU this matters: storage allocated in the thread, next to the old state, got fresh pages that the transfer's
+first writes then mapped, in the pause (``llama_125m``, FSDP 2 -> TP 2: the prepared transfer 0.84 s against 0.59 s
+built, medians of 3); writing those pages in the thread instead halved that transfer but cost 2.2-2.8 s of the
+thread's CPU per process, taken from the overlapped step on two busy cores (about 15 % of a 10 s step).
 
 Not for a change to or from pipeline stages: there each process knows its own stage's specs only, and the rank order
 and the plan need every process's (a collective on the default group, which the training thread uses).
@@ -31,10 +32,9 @@ Rules and costs:
 
 * every rank prepares the same layouts in the same order and creates no other process group meanwhile (torch names
   groups by a per-process counter); a preparation is only used for the same old layout it was prepared from;
-* memory: from the preparation to the boundary a process holds its old state and the whole new state (parameters
-  and optimizer moments) allocated; on a GPU that is old + new of device memory, where a change built at the
-  boundary stays within max(old, new) + a bucket + the largest shard (on the CPU untouched pages cost nothing until
-  the transfer writes them, within that bound); ``prepare_ahead_steps=0`` builds at the boundary;
+* memory: a model built through ``materialize_empty`` is allocated at the boundary, as a change built there is;
+  one that ``configure_model`` allocates otherwise (``to_empty`` of its own) is allocated in the thread, so until
+  the boundary a process holds its old state and the new parameters;
 * the thread takes CPU time from the steps it overlaps (``tools/bench_prepare.py`` measures the steps' slowdown).
 """
 
@@ -43,21 +43,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 
 from lightning_emig.layout import HybridLayout, LayoutMesh, build_mesh
 from lightning_emig.migration.engine import plan_ahead
 from lightning_emig.migration.planner import IdentityMap
-from lightning_emig.migration.state import (
-    ShardingSpec,
-    allocate_optimizer_buffers,
-    planned_optimizer_specs,
-    training_state,
-)
+from lightning_emig.migration.state import ShardingSpec, planned_optimizer_specs, training_state
+from lightning_emig.parallelize.init import materialization_deferred
 from lightning_emig.strategy.rebuild import (
     check_built_again,
     check_rebuilt,
@@ -95,8 +91,8 @@ class PreparedLayout:
     attributes: dict[str, Any]
     """Other attributes ``configure_model`` set on the stand-in."""
     identity: IdentityMap
-    optimizer_buffers: dict[str, torch.Tensor]
-    """The new optimizer's parameter-shaped state, allocated for the optimizer built at the boundary."""
+    materialize: list[Callable[[], None]]
+    """The ``materialize_empty`` calls ``configure_model`` made, deferred to :meth:`install`."""
     seconds: dict[str, float] = field(default_factory=dict)
     """The background phases (off the critical path)."""
 
@@ -106,6 +102,8 @@ class PreparedLayout:
         dropped = drop_model(module)
         for name, child in self.children.items():
             setattr(module, name, child)
+        for materialize in self.materialize:
+            materialize()
         module.__dict__.update(self.attributes)
         check_rebuilt(module, dropped)
 
@@ -173,14 +171,14 @@ class LayoutPreparation:
         layout_mesh = self._mesh(layout)
         seconds["mesh"] = time.perf_counter() - started
         started = time.perf_counter()
-        children, attributes, stand_in = _build_on_stand_in(strategy, layout_mesh)
+        children, attributes, stand_in, materialize = _build_on_stand_in(strategy, layout_mesh)
         seconds["build"] = time.perf_counter() - started
         if self.requested.rank_order is None and strategy.world_size > 1:
             started = time.perf_counter()
             ordered = rank_order_keeping_state(stand_in, self._old_specs, self.old_layout, layout, self._identity)
             if ordered != layout:
                 layout, layout_mesh = ordered, self._mesh(ordered)
-                children, attributes, stand_in = _build_on_stand_in(strategy, layout_mesh)
+                children, attributes, stand_in, materialize = _build_on_stand_in(strategy, layout_mesh)
             seconds["rank order"] = time.perf_counter() - started
         started = time.perf_counter()
         optim = {k: spec for k, spec in self._old_specs.items() if k.startswith("optim/")}
@@ -188,10 +186,7 @@ class LayoutPreparation:
         new_specs.update(planned_optimizer_specs(stand_in, optim))
         plan_ahead(self._old_specs, new_specs, self.old_layout, layout, self._identity, strategy.global_rank)
         seconds["plan"] = time.perf_counter() - started
-        started = time.perf_counter()
-        optimizer_buffers = allocate_optimizer_buffers(stand_in, optim)
-        seconds["optimizer state"] = time.perf_counter() - started
-        return PreparedLayout(layout, layout_mesh, children, attributes, self._identity, optimizer_buffers, seconds)
+        return PreparedLayout(layout, layout_mesh, children, attributes, self._identity, materialize, seconds)
 
     def _mesh(self, layout: HybridLayout) -> LayoutMesh:
         strategy = self._strategy
@@ -205,9 +200,9 @@ class LayoutPreparation:
 
 
 def _build_on_stand_in(strategy: ElasticMigrationStrategy, layout_mesh: LayoutMesh
-                       ) -> tuple[dict[str, nn.Module], dict[str, Any], Any]:
+                       ) -> tuple[dict[str, nn.Module], dict[str, Any], Any, list[Callable[[], None]]]:
     """Run the module's ``configure_model`` on a stand-in under ``layout_mesh``; returns the children it built, the
-    other attributes it set, and the stand-in."""
+    other attributes it set, the stand-in, and the ``materialize_empty`` calls it made (deferred)."""
     module = strategy.lightning_module
     stand_in = object.__new__(type(module))
     stand_in.__dict__.update(module.__dict__)
@@ -219,7 +214,8 @@ def _build_on_stand_in(strategy: ElasticMigrationStrategy, layout_mesh: LayoutMe
     view = strategy.shadow_view
     view.layout_mesh, view.migrating = layout_mesh, True
     try:
-        stand_in.configure_model()
+        with materialization_deferred() as materialize:
+            stand_in.configure_model()
     finally:
         view.layout_mesh, view.migrating = None, False
     check_built_again(stand_in, dropped)
@@ -229,7 +225,7 @@ def _build_on_stand_in(strategy: ElasticMigrationStrategy, layout_mesh: LayoutMe
     children = {name: stand_in._modules[name] for name in dropped}  # noqa: SLF001 - our own stand-in
     attributes = {k: v for k, v in stand_in.__dict__.items()
                   if k not in _REGISTRIES and k != "_device_mesh" and before.get(k, _MISSING) is not v}
-    return children, attributes, stand_in
+    return children, attributes, stand_in, materialize
 
 
 _MISSING = object()

@@ -141,8 +141,7 @@ def reconfigure_live(
     new_state = training_state(module, None)
     optim_template = whole_state_specs({k: t.spec for k, t in old_state.items() if k.startswith("optim/")},
                                        old_layout, new_layout)
-    new_state.update(allocate_optimizer_state(module, new_optimizer, optim_template,
-                                              prepared.optimizer_buffers if prepared is not None else None))
+    new_state.update(allocate_optimizer_state(module, new_optimizer, optim_template))
     timer.lap("optimizers")
 
     record = execute_change(
