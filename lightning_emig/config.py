@@ -93,7 +93,7 @@ class ElasticSection:
     """Live layout changes at fixed steps, e.g. ``[{step: 50, layout: {tp: 2}}]``."""
     prepare_ahead_steps: int = 1
     """Build a scheduled layout (mesh, model, plan) in the background this many steps before it takes effect, while
-    the old layout trains (0: build it in the pause). Until then each process holds the new state allocated too."""
+    the old layout trains (0: build it in the pause)."""
     bucket_mb: int = 256
     """Memory budget of a migration's transfer buffers per process."""
     checksum: bool = False

@@ -500,9 +500,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
 
         Every rank must call it with the same layout at the same step boundary, and create no process group until
         that ``reconfigure`` (see :mod:`~lightning_emig.strategy.prepare`). A second call replaces the first (after
-        waiting for it). Until the change, each process holds the whole new state (parameters and optimizer
-        moments) allocated next to its old one. A change to or from pipeline stages is not prepared (it is built at the
-        boundary).
+        waiting for it). A change to or from pipeline stages is not prepared (it is built at the boundary).
         """
         if isinstance(layout, dict):
             layout = HybridLayout(**layout)
