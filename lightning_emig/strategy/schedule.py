@@ -4,11 +4,13 @@ Exercises live reconfiguration without any membership change: after optimizer st
 (``trainer.global_step == step``), the strategy switches to ``layout``. ``prepare_ahead_steps`` steps before (when
 that many remain), the strategy starts building the layout in the background
 (:meth:`~lightning_emig.strategy.elastic.ElasticMigrationStrategy.prepare_reconfigure`), so the switch pauses for
-the transfer only; 0 builds it at the boundary.
+the transfer only; 0 builds it at the boundary. An entry that does not fit the world a membership change left is
+skipped with a warning (one that does not fit the world the training started with is an error).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,7 +18,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_emig.layout import HybridLayout
+from lightning_emig.layout import HybridLayout, LayoutError
+
+log = logging.getLogger(__name__)
 
 
 class LayoutSchedule(Callback):
@@ -31,6 +35,13 @@ class LayoutSchedule(Callback):
         self.schedule = dict(schedule)
         self.prepare_ahead_steps = prepare_ahead_steps
         self._prepared_for: int | None = None
+        self._first_world: int | None = None
+        self._skipped: set[int] = set()
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._first_world is None:  # a fit after a membership change keeps the first one's
+            self._first_world = trainer.strategy.world_size
 
     @override
     def on_train_batch_end(
@@ -39,13 +50,30 @@ class LayoutSchedule(Callback):
         step = trainer.global_step
         layout = self.schedule.get(step)
         strategy: Any = trainer.strategy
-        if layout is not None and strategy.layout != layout.resolve(strategy.world_size):
+        world = strategy.world_size
+        if layout is not None and self._fits(step, world) and strategy.layout != layout.resolve(world):
             strategy.reconfigure(layout)
         upcoming = min((s for s in self.schedule if s > step), default=None)
         if upcoming is None or upcoming - step > self.prepare_ahead_steps or upcoming == self._prepared_for:
             return
         target = self.schedule[upcoming]
         # The layout at that step is the last one scheduled before it (this one's, if this step changed nothing).
-        if strategy.layout != target.resolve(strategy.world_size):
+        if self._fits(upcoming, world) and strategy.layout != target.resolve(world):
             strategy.prepare_reconfigure(target)
             self._prepared_for = upcoming
+
+    def _fits(self, step: int, world: int) -> bool:
+        """Whether the entry at ``step`` can be laid out on ``world`` processes. One that cannot on the world the
+        training started with is a wrong schedule (raised); on a world a membership change brought, it is skipped
+        with a warning: the job goes on in its current layout."""
+        try:
+            self.schedule[step].resolve(world)
+        except LayoutError as exc:
+            if world == self._first_world or self._first_world is None:
+                raise
+            if step not in self._skipped:
+                self._skipped.add(step)
+                log.warning("layout schedule: the change after step %d is skipped, it does not fit the %d "
+                            "process(es) the job now has (%s)", step, world, exc)
+            return False
+        return True
