@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
@@ -16,16 +17,15 @@ class _FrozenDuringFit(Callback):
     def __init__(self) -> None:
         self.frozen_at_start = 0
         self.old_model_collected = False
+        self._old: weakref.ref | None = None  # the model the change after step 2 replaces
 
     def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001 - Lightning's hook
         self.frozen_at_start = gc.get_freeze_count()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
-        if trainer.global_step == 1 and not hasattr(self, "_old"):
-            import weakref
-
-            self._old = weakref.ref(pl_module.model)  # the model the change after step 2 replaces
-        elif trainer.global_step >= 2 and self._old() is not None:
+        if trainer.global_step == 1 and self._old is None:
+            self._old = weakref.ref(pl_module.model)
+        elif trainer.global_step >= 2 and self._old is not None and self._old() is not None:
             gc.collect()  # what an automatic collection does: the old model is not frozen, so it goes
             self.old_model_collected = self._old() is None
 

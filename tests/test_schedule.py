@@ -77,12 +77,4 @@ def test_an_entry_that_no_longer_fits_the_world_is_skipped_and_one_that_never_fi
     wrong = LayoutSchedule([(2, HybridLayout(dp_shard=-1, tp=3))], prepare_ahead_steps=1)
     wrong.on_train_start(SimpleNamespace(strategy=_Strategy()), None)  # type: ignore[arg-type]
     with pytest.raises(LayoutError, match="does not divide the world size 2"):
-        _steps_on(wrong, 2)
-
-
-def _steps_on(schedule: LayoutSchedule, last: int) -> None:
-    strategy = _Strategy()
-    trainer: Any = SimpleNamespace(strategy=strategy, global_step=0)
-    for step in range(1, last + 1):
-        trainer.global_step = strategy.step = step
-        schedule.on_train_batch_end(trainer, None, None, None, step)  # type: ignore[arg-type]
+        _steps(wrong, 2)

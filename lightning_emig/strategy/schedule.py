@@ -51,23 +51,23 @@ class LayoutSchedule(Callback):
         layout = self.schedule.get(step)
         strategy: Any = trainer.strategy
         world = strategy.world_size
-        if layout is not None and self._fits(step, world) and strategy.layout != layout.resolve(world):
+        if layout is not None and (resolved := self._resolved(step, world)) is not None and strategy.layout != resolved:
             strategy.reconfigure(layout)
         upcoming = min((s for s in self.schedule if s > step), default=None)
         if upcoming is None or upcoming - step > self.prepare_ahead_steps or upcoming == self._prepared_for:
             return
         target = self.schedule[upcoming]
         # The layout at that step is the last one scheduled before it (this one's, if this step changed nothing).
-        if self._fits(upcoming, world) and strategy.layout != target.resolve(world):
+        if (resolved := self._resolved(upcoming, world)) is not None and strategy.layout != resolved:
             strategy.prepare_reconfigure(target)
             self._prepared_for = upcoming
 
-    def _fits(self, step: int, world: int) -> bool:
-        """Whether the entry at ``step`` can be laid out on ``world`` processes. One that cannot on the world the
-        training started with is a wrong schedule (raised); on a world a membership change brought, it is skipped
-        with a warning: the job goes on in its current layout."""
+    def _resolved(self, step: int, world: int) -> HybridLayout | None:
+        """The entry at ``step`` laid out on ``world`` processes; None where it cannot be on a world a membership
+        change brought (skipped with a warning: the job goes on in its current layout). One that cannot on the world
+        the training started with is a wrong schedule (raised)."""
         try:
-            self.schedule[step].resolve(world)
+            return self.schedule[step].resolve(world)
         except LayoutError as exc:
             if world == self._first_world or self._first_world is None:
                 raise
@@ -75,5 +75,4 @@ class LayoutSchedule(Callback):
                 self._skipped.add(step)
                 log.warning("layout schedule: the change after step %d is skipped, it does not fit the %d "
                             "process(es) the job now has (%s)", step, world, exc)
-            return False
-        return True
+            return None
