@@ -176,10 +176,13 @@ def test_random_sampler_keeps_its_num_samples_where_adopt_reads_it() -> None:
                          global_batch_size=8, micro_batch_size=2, seed=0)
 
 
-def test_a_models_blocks_come_from_its_method_or_its_block_container() -> None:
+def test_a_models_blocks_come_from_its_blocks_method_only() -> None:
+    """A ``blocks`` container is the user's own attribute, not a declaration (timm, many GPT codes): nothing is
+    guessed from its name, and the model is neither cut into stages nor split into FSDP2 units by it."""
     from torch import nn
 
     from lightning_emig.examples.gpt import GPT
+    from lightning_emig.migration.state import stage_split_of
     from lightning_emig.models.base import blocks_of
     from lightning_emig.models.llama import Llama, get_model_config
 
@@ -192,7 +195,8 @@ def test_a_models_blocks_come_from_its_method_or_its_block_container() -> None:
         llama = Llama(get_model_config("tiny"))
         gpt = GPT(GPTConfig())
     container = Container()
-    assert blocks_of(container) == list(container.blocks)
+    assert blocks_of(container) == []
+    assert stage_split_of(container) is None
     assert blocks_of(gpt) == gpt.blocks() and len(gpt.blocks()) == GPTConfig().n_layers
     assert blocks_of(llama) == llama.blocks()
     assert blocks_of(nn.Linear(2, 2)) == []

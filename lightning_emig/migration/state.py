@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from lightning_emig.layout import HybridLayout
 from lightning_emig.migration.geometry import GeometryError, TensorSharding
 from lightning_emig.migration.stages import StageOwner, StageSplit
+from lightning_emig.models.base import blocks_of, declares_blocks
 
 
 class UnsupportedStateError(TypeError):
@@ -146,7 +147,7 @@ def whole_model_split(model: torch.nn.Module) -> StageSplit:
     """The split of a whole (uncut) model with ``blocks()``: its parameter counts by name, its root buffers shared."""
     own_parameters = {name for name, _ in model.named_parameters(recurse=False)}
     root_buffers = [name for name in model.state_dict(keep_vars=True) if "." not in name and name not in own_parameters]
-    return StageSplit.by_name(((name, p.numel()) for name, p in model.named_parameters()), len(model.blocks()),
+    return StageSplit.by_name(((name, p.numel()) for name, p in model.named_parameters()), len(blocks_of(model)),
                               shared=root_buffers)
 
 
@@ -161,9 +162,9 @@ def holds_stage(model: torch.nn.Module) -> bool:
 
 
 def _splittable(model: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
-    """The outermost module (and its name prefix) that is cut into a stage or has ``blocks()``."""
+    """The outermost module (and its name prefix) that is cut into a stage or declares a ``blocks()`` method."""
     for name, module in model.named_modules():
-        if getattr(module, "pipeline_split", None) is not None or callable(getattr(module, "blocks", None)):
+        if getattr(module, "pipeline_split", None) is not None or declares_blocks(module):
             return (name + "." if name else ""), module
     return None
 

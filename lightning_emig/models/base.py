@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -44,12 +45,16 @@ class ParallelizableModel(Protocol):
     def init_buffers(self) -> None: ...
 
 
-def blocks_of(model: nn.Module) -> list[nn.Module]:
-    """The model's own blocks: its ``blocks()`` method, or the modules of a ``blocks`` container (an ``nn.ModuleList``
-    is a module, callable but not a method); none if it has neither (then the whole model is one unit)."""
-    from torch import nn
+def declares_blocks(model: nn.Module) -> bool:
+    """``model``'s class defines a ``blocks()`` method (the :class:`ParallelizableModel` protocol).
 
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.Module):
-        return list(blocks.children())
-    return list(blocks()) if callable(blocks) else []
+    Only a method counts: an attribute that happens to be named ``blocks`` (timm's and many GPT codes'
+    ``self.blocks = nn.ModuleList(...)``) is the user's own container, not a declaration; nothing is guessed from it.
+    """
+    return inspect.isfunction(getattr(type(model), "blocks", None))
+
+
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The blocks ``model`` declares with its ``blocks()`` method; none if it declares none (then the whole model is
+    one FSDP2 unit, and it cannot be cut into pipeline stages)."""
+    return list(model.blocks()) if declares_blocks(model) else []  # type: ignore[operator]
