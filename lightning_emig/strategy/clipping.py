@@ -19,17 +19,35 @@ from torch.distributed.tensor import DTensor
 def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float,
                    stages: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Scale the gradients of ``parameters`` so that the norm of all of them (of every stage in ``stages``, the
-    pipeline group; None: no stages) is at most ``max_norm``; returns that norm before clipping."""
-    parameters = [p for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters], norm_type=2.0)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    pipeline group; None: no stages) is at most ``max_norm``; returns that norm before clipping.
+
+    A tensor-parallel plan that covers part of the model leaves some gradients DTensors (on the TP mesh, or FSDP's
+    over it) and others plain tensors (replicated on every TP rank); torch's foreach norm and scale refuse such a mix.
+    So the gradients are taken by mesh (:func:`_by_mesh`): each group's norm is its whole norm (a DTensor's over its
+    mesh, a replicated plain tensor's where it lies), the squares are summed, and each group is scaled on its own."""
+    groups = _by_mesh([p for p in parameters if p.grad is not None])
+    squared = torch.zeros((), dtype=torch.float64)
+    for group in groups:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squared = squared.to(norm.device) + norm.double() ** 2
     if stages is not None and dist.get_world_size(stages) > 1:
-        squared = norm.double() ** 2
         dist.all_reduce(squared, group=stages)
-        norm = squared.sqrt().to(norm.dtype)
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+    dtype = groups[0][0].grad.dtype if groups else torch.float32
+    norm = squared.sqrt().to(dtype)
+    for group in groups:
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return norm
+
+
+def _by_mesh(parameters: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``parameters`` grouped by their gradients' mesh (plain tensors form one group of their own), in first-seen
+    order, so the result is the same on every rank."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in parameters:
+        groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    return list(groups.values())
 
 
 def route_norm_clipping(precision_plugin: object, stages: Callable[[], dist.ProcessGroup | None]) -> None:
