@@ -7,6 +7,10 @@ module while the old layout trains).
 What a LightningModule must do to be re-laid-out: build its model in ``configure_model`` from
 ``self.trainer.strategy.layout_mesh`` whenever its model attribute is ``None`` (every direct child module that holds
 state is set to ``None`` first), and hold no other reference to old parameters.
+
+What the user set on the model after building it (a part frozen in ``setup``, ``on_fit_start`` or by a finetuning
+callback; a submodule put in eval mode) is not rebuilt by ``configure_model``: :class:`ModuleSetup` carries each
+parameter's ``requires_grad`` and each submodule's train/eval mode across the rebuild, by name.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lightning_emig.launcher.generation import ENV_NODE_ID
@@ -28,6 +33,31 @@ if TYPE_CHECKING:
     from lightning_emig.strategy.elastic import ElasticMigrationStrategy
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleSetup:
+    """What the user set on a module after building it, by name: every parameter's ``requires_grad`` and every
+    submodule's ``training`` flag. Names are the same under every layout (:mod:`lightning_emig.models.base`); a name
+    the rebuilt module does not hold (a pipeline stage's dropped blocks) is left alone."""
+
+    requires_grad: dict[str, bool]
+    training: dict[str, bool]
+
+    @classmethod
+    def of(cls, module: Any) -> ModuleSetup:
+        return cls(requires_grad={name: p.requires_grad for name, p in module.named_parameters()},
+                   training={name: m.training for name, m in module.named_modules()})
+
+    def apply(self, module: Any) -> None:
+        """Set the recorded flags on the rebuilt ``module`` (before its optimizers are made: ``configure_optimizers``
+        often keeps only the parameters that require gradients)."""
+        for name, p in module.named_parameters():
+            if name in self.requires_grad:
+                p.requires_grad_(self.requires_grad[name])
+        for name, m in module.named_modules():  # each flag by itself: train() would set every submodule's
+            if name in self.training:
+                m.training = self.training[name]
 
 
 def drop_model(module: Any) -> list[str]:

@@ -34,7 +34,12 @@ from lightning_emig.migration.planner import IdentityMap
 from lightning_emig.migration.state import StateTensor, allocate_optimizer_state, training_state
 from lightning_emig.strategy.prepare import take_prepared
 from lightning_emig.strategy.progress import show_migration
-from lightning_emig.strategy.rebuild import node_of_every_rank, rank_order_keeping_state, rebuild_model
+from lightning_emig.strategy.rebuild import (
+    ModuleSetup,
+    node_of_every_rank,
+    rank_order_keeping_state,
+    rebuild_model,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -124,6 +129,7 @@ def reconfigure_live(
     old_state = training_state(module, old_optimizer)
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in old_optimizer.param_groups]
     schedulers = [cfg.scheduler.state_dict() for cfg in strategy.lr_scheduler_configs]
+    setup = ModuleSetup.of(module)
 
     preparation = strategy.take_preparation()
     prepared = take_prepared(strategy, preparation, requested)
@@ -135,6 +141,7 @@ def reconfigure_live(
         timer.lap("install")
     else:
         new_layout, identity = _build_at_boundary(strategy, module, requested, new_layout, old_state, timer)
+    setup.apply(module)
 
     strategy.setup_optimizers(trainer)
     new_optimizer = strategy.optimizers[0]
