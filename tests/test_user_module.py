@@ -157,12 +157,42 @@ def test_the_record_of_produced_micro_batches_never_outgrows_a_step() -> None:
     loader = adopt_dataloader(DataLoader(DATASET, batch_size=2), global_batch_size=8, micro_batch_size=2, seed=0)
     stream = loader.stream
     stream.set_topology(dp_degree=1, dp_rank=0)
-    batches = iter(loader)
-    for _ in range(50):  # nobody takes the records (no ledger): each commit drops the step's
-        for _ in range(4):
-            next(batches)
-        stream.commit_step()
+    steps = 0
+    while steps < 50:  # nobody takes the records (no ledger): each commit drops the step's
+        for i, _ in enumerate(loader):  # an adopted loader ends with its epoch: a new iterator each epoch
+            if i % 4 == 3:
+                stream.commit_step()
+                steps += 1
     assert stream.take_produced() is None
+
+
+def test_an_adopted_loader_has_lightnings_epochs() -> None:
+    """A finite map-style loader keeps its epochs: an iterator ends with the epoch (the tail that fills no global batch
+    dropped), ``len()`` is this rank's micro-batches per epoch under the current accumulation, and the next iterator
+    reads the next epoch."""
+    dataset = CountingSequences(36, 4, 16)  # 4 steps of 8, 4 samples dropped
+    loader = adopt_dataloader(DataLoader(dataset, batch_size=2, drop_last=True), global_batch_size=8,
+                              micro_batch_size=2, seed=0)
+    stream = loader.stream
+    stream.set_topology(dp_degree=2, dp_rank=1)
+    assert len(loader) == 4 * 2
+    stream.set_topology(dp_degree=1, dp_rank=0)
+    assert len(loader) == 4 * 4
+    for epoch in range(2):
+        batches = list(loader)
+        assert len(batches) == len(loader)
+        for _ in range(4):
+            stream.commit_step()
+        assert stream.sampler.epoch_of() == epoch + 1
+    stream.set_topology(dp_degree=2, dp_rank=0)
+    stream.commit_step()  # one step into the third epoch: the iterator reads the rest of it
+    assert len(list(loader)) == 3 * 2
+
+
+def test_an_epoch_tail_is_dropped_only_when_the_loader_says_so() -> None:
+    with pytest.raises(DataLoaderNotElasticError, match="drop_last=True"):
+        adopt_dataloader(DataLoader(CountingSequences(36, 4, 16), batch_size=2), global_batch_size=8,
+                         micro_batch_size=2, seed=0)
 
 
 def test_random_sampler_keeps_its_num_samples_where_adopt_reads_it() -> None:

@@ -11,6 +11,9 @@ wrong data):
 
 * a map-style dataset (``__getitem__`` and ``__len__``); an ``IterableDataset`` has no index to re-position;
 * the default batching (``batch_size=micro_batch_size``, no custom ``batch_sampler``);
+* Lightning's epochs: the loader has ``len()`` (this rank's micro-batches per epoch) and each iterator ends with its
+  epoch. An optimizer step always takes a whole global batch, so a dataset whose size is not a multiple of it loses
+  the tail of each epoch's order: that is refused unless the loader says ``drop_last=True``;
 * a ``SequentialSampler`` (``shuffle=False``), a ``RandomSampler`` without replacement (``shuffle=True``), or the
   plain ``DistributedSampler`` Lightning injected for either (its ``shuffle`` is kept); any other sampler decides
   the order itself, so it cannot be re-positioned. A shuffled order is seeded by the strategy's ``seed``, the same
@@ -58,13 +61,22 @@ def adopt_dataloader(loader: DataLoader, *, global_batch_size: int, micro_batch_
             f"the training DataLoader has batch_size={loader.batch_size} but the strategy's micro_batch_size is "
             f"{micro_batch_size}: a DataLoader batch is one micro-batch; build both from the same value"
         )
+    tail = len(loader.dataset) % global_batch_size  # type: ignore[arg-type]
+    if tail and not loader.drop_last:
+        raise DataLoaderNotElasticError(
+            f"the training dataset's {len(loader.dataset)} samples do not fill whole global batches of "  # type: ignore[arg-type]
+            f"{global_batch_size}: an optimizer step never takes part of one, so the last {tail} samples of each "
+            "epoch's order would not be trained on; pass DataLoader(..., drop_last=True) to agree to that, or use a "
+            "dataset whose size is a multiple of the global batch"
+        )
     if loader.num_workers > 0:
         log.warning("DataLoader(num_workers=%d) is read in the training process: the elastic data position must see "
                     "every optimizer step (worker processes are not used)", loader.num_workers)
     # Seeded by the strategy's seed, the same on every rank (a DistributedSampler's may differ per rank).
     sampler = GlobalOffsetSampler(len(loader.dataset), global_batch_size, seed=seed,  # type: ignore[arg-type]
                                   shuffle=shuffle)
-    return MicroBatchLoader(MicroBatchStream(loader.dataset, sampler, micro_batch_size, collate_fn=loader.collate_fn))
+    return MicroBatchLoader(MicroBatchStream(loader.dataset, sampler, micro_batch_size, collate_fn=loader.collate_fn,
+                                            epochs=True))
 
 
 def _shuffles(loader: DataLoader) -> bool:

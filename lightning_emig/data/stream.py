@@ -11,6 +11,12 @@ num_workers=0)``; Lightning never injects a ``DistributedSampler`` into an itera
   :class:`StaleIteratorError` instead of silently feeding samples of the old layout.
 * ``commit_step`` refuses to commit a step whose micro-batches the live iterator has not all produced yet (the
   usual bug: committing per micro-batch instead of per optimizer step).
+* with ``epochs=True`` (a user's map-style ``DataLoader`` adopted by the strategy) an iterator ends with the epoch
+  its committed offset lies in, and ``len()`` is this rank's micro-batches per epoch (``steps_per_epoch x
+  accumulation``): Lightning sees a finite loader and keeps its epochs (epoch ends, epoch-interval schedulers,
+  validation at the epoch's end). An epoch is counted in global batches, so its number of optimizer steps does not
+  change when the world does; its number of micro-batches per rank does (and so does ``len()``). Without it the
+  stream is endless and has no length;
 * the stream runs in the process that commits: ``num_workers`` must be 0, which ``__iter__`` checks. Worker
   processes would each hold a copy whose offset never sees the commits.
 
@@ -53,7 +59,8 @@ class StaleIteratorError(RuntimeError):
 
 
 class MicroBatchStream(IterableDataset[MicroBatch]):
-    """Infinite, elastic stream of one data-parallel rank's micro-batches (across epochs)."""
+    """Elastic stream of one data-parallel rank's micro-batches: endless (across epochs), or one epoch per iterator
+    with ``epochs=True``."""
 
     def __init__(
         self,
@@ -64,6 +71,7 @@ class MicroBatchStream(IterableDataset[MicroBatch]):
         dp_degree: int | None = None,
         dp_rank: int | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
+        epochs: bool = False,
     ) -> None:
         size = len(dataset) if hasattr(dataset, "__len__") else None  # type: ignore[arg-type]
         if size is not None and size != sampler.num_samples:
@@ -76,6 +84,7 @@ class MicroBatchStream(IterableDataset[MicroBatch]):
         self.sampler = sampler
         self.micro_batch_size = micro_batch_size
         self.collate_fn = collate_fn
+        self.epochs = epochs
         self._produced: deque[ProducedBatch] = deque()
         self._topology: tuple[int, int] | None = None
         # Bumped whenever a live iterator would start reading wrong samples; iterators remember theirs.
@@ -153,6 +162,13 @@ class MicroBatchStream(IterableDataset[MicroBatch]):
         self._invalidate_iterators()
 
     # ------------------------------------------------------------------ iteration
+    def __len__(self) -> int:
+        """This rank's micro-batches per epoch (``epochs=True`` only: an endless stream has no length, which
+        ``len()`` callers such as Lightning's ``has_len`` read from the ``TypeError``)."""
+        if not self.epochs:
+            raise TypeError("an endless MicroBatchStream (epochs=False) has no length")
+        return self.sampler.steps_per_epoch * self.plan.grad_accumulation
+
     def __iter__(self) -> Iterator[MicroBatch]:
         if get_worker_info() is not None:
             raise RuntimeError(
@@ -168,7 +184,9 @@ class MicroBatchStream(IterableDataset[MicroBatch]):
         self, generation: int, offset: int, dp_degree: int, dp_rank: int, micro_batch_size: int
     ) -> Iterator[MicroBatch]:
         global_batch_size = self.sampler.global_batch_size
-        while True:
+        # With epochs, this iterator ends where the epoch of its first step ends (a global batch never spans two).
+        end = (self.sampler.epoch_of(offset) + 1) * self.sampler.samples_per_epoch if self.epochs else None
+        while end is None or offset < end:
             micro_batches = self.sampler.indices_for_step(offset, dp_degree, dp_rank, micro_batch_size)
             for micro_step, ids in enumerate(micro_batches):
                 self._check_live(generation)

@@ -11,7 +11,10 @@ attributes of Lightning 2.6, pinned by the reconfigure tests):
   coordinate: its iterator is rebuilt so the stream restarts at the committed global offset;
 * Lightning steps when ``batch_progress.current.ready % accumulate_grad_batches == 0``: when the accumulation
   changes, the micro-batch counters are re-expressed as "steps done x new accumulation" so the next step
-  still closes after exactly the new number of micro-batches.
+  still closes after exactly the new number of micro-batches;
+* a loader with epochs has as many micro-batches per epoch as the new accumulation makes: the epoch's length
+  (``fit_loop.max_batches``, the loader's limit, the fetcher's length) and the validation interval taken from it
+  are measured again, so the epoch still ends after the same number of optimizer steps.
 """
 
 from __future__ import annotations
@@ -46,8 +49,25 @@ def restart_training_iterator(trainer: pl.Trainer, old_accumulation: int) -> Non
         return  # not iterating yet: the first iter() will read the new topology
     if hasattr(fetcher, "batches"):
         fetcher.batches.clear()  # prefetched for the old data-parallel coordinate
-    iter(fetcher)
+    _measure_epoch_again(trainer, fetcher.combined_loader)
+    iter(fetcher)  # takes its length from the loader's new limits
     fetcher.fetched += micro_batches
+
+
+def _measure_epoch_again(trainer: pl.Trainer, combined_loader: Any) -> None:
+    """The epoch's length in micro-batches under the new accumulation, where the loaders have one (as Lightning's
+    ``fit_loop.setup_data`` measures it at the start: the loader's length within ``limit_train_batches``)."""
+    from lightning.fabric.utilities.data import sized_len
+
+    lengths = [sized_len(loader) for loader in combined_loader.flattened]
+    if None in lengths:
+        return  # endless: no epoch to measure
+    limit = trainer.limit_train_batches
+    limits = [min(n, limit) if isinstance(limit, int) else int(n * limit) for n in lengths]
+    combined_loader.limits = limits
+    trainer.fit_loop.max_batches = max(limits)
+    if isinstance(trainer.val_check_interval, float) and trainer.check_val_every_n_epoch is not None:
+        trainer.val_check_batch = max(1, int(trainer.fit_loop.max_batches * trainer.val_check_interval))
 
 
 class StepBoundaryHook(Callback):
