@@ -402,7 +402,7 @@ def _rebuild_from_replicas(
     )
     # Rebuilt on every survivor: the stash (the dropped model's storage) is read no more. Kept until here so a
     # rebuild that fails leaves it intact for another try.
-    release_storage(stash.state)
+    release_storage(stash.state, keep=strategy.live_storages())
     stash.state = None
     return LiveHandoff(
         generation=-1, holders=holders, old_layout=new_layout, old_world=len(survivors),

@@ -179,7 +179,7 @@ def drain_leavers(trainer: pl.Trainer, client: Any, handoff: LiveHandoff) -> Liv
     )
     # Handed over on every process: the old shards are read no more (saves are skipped while a handoff is pending).
     # Kept until here so a drain that fails leaves them intact for the survivors' recovery.
-    release_storage(old_state)
+    release_storage(old_state, keep=strategy.live_storages())
     handoff.seconds = {**handoff.seconds, "agree_leave": agree, "allocate": allocate}
     handoff.phase_started = time.perf_counter()
     handoff.generation = new_generation

@@ -137,6 +137,10 @@ class ElasticWorker(Protocol):
     def release_process_groups(self) -> None:
         """Drop every reference to the current world's process groups (mesh, optimizers)."""
 
+    def live_storages(self) -> frozenset[int]:
+        """The storages (:func:`~lightning_emig.migration.state.storage_key`) of state the process still reads after
+        its model was dropped (the LightningModule's own parameters and buffers): a handoff never frees them."""
+
 
 def layout_for_new_world(requested: HybridLayout, world_size: int) -> HybridLayout:
     """The largest valid layout by a simple rule (until the picker lands), resolved for ``world_size``.

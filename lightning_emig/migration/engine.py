@@ -46,7 +46,7 @@ from lightning_emig.migration.planner import (
     TensorMigration,
     plan_for_rank,
 )
-from lightning_emig.migration.state import ShardingSpec, StateTensor, free_storage
+from lightning_emig.migration.state import ShardingSpec, StateTensor, free_storage, storage_key, storages_of
 from lightning_emig.migration.transfer import TransferOptions, TransferStats, run_transfer
 
 
@@ -198,7 +198,7 @@ def migrate(
     try:
         stats = run_transfer(
             plan, old_locals, new_locals, union_rank=identity.union_rank, peer_counts=peer_counts, group=group,
-            options=options, on_release=_releaser(old_locals) if release_old else None,
+            options=options, on_release=_releaser(old_locals, new_locals) if release_old else None,
         )
     except Exception as exc:  # every process must learn about it before anyone continues
         error = exc
@@ -322,10 +322,12 @@ def tensor_migrations(
     return out
 
 
-def _releaser(old_locals: dict[str, torch.Tensor]):  # noqa: ANN202 - a small closure
+def _releaser(old_locals: dict[str, torch.Tensor], new_locals: dict[str, torch.Tensor]):  # noqa: ANN202
+    keep = storages_of(new_locals.values())  # old tensors that are new state too (a module's root buffers) stay
+
     def release(key: str) -> None:
         tensor = old_locals.pop(key, None)
-        if tensor is not None:
+        if tensor is not None and storage_key(tensor) not in keep:
             free_storage(tensor)
 
     return release

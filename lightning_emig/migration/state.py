@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -72,12 +72,27 @@ class StateTensor:
     local: torch.Tensor
 
 
-def release_storage(state: dict[str, StateTensor]) -> None:
-    """Free the storage of every tensor of ``state`` now (nothing may read it afterwards). A dropped model's old
-    modules sit in reference cycles (FSDP's hooks) that only a full ``gc.collect()`` would free, at 0.3-0.4 s on a
-    trained process; freeing the storage itself costs nothing and is the same on GPUs (no cached block lingers)."""
+def release_storage(state: dict[str, StateTensor], keep: frozenset[int] = frozenset()) -> None:
+    """Free the storage of every tensor of ``state`` now (nothing may read it afterwards) but those in ``keep``
+    (:func:`storages_of` what stays live). A dropped model's old modules sit in reference cycles (FSDP's hooks) that
+    only a full ``gc.collect()`` would free, at 0.3-0.4 s on a trained process; freeing the storage itself costs
+    nothing and is the same on GPUs (no cached block lingers)."""
     for tensor in state.values():
-        free_storage(tensor.local)
+        if storage_key(tensor.local) not in keep:
+            free_storage(tensor.local)
+
+
+def storages_of(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
+    """The storages ``tensors`` use (:func:`storage_key`): what a release must keep.
+
+    Old state is not always gone state: the LightningModule's own parameters and buffers (a temperature, a running
+    statistic registered on its root) are never dropped and rebuilt, so the same tensor is old and new state at once,
+    and freeing it would free storage a live module reads (a segfault at its next use)."""
+    return frozenset(storage_key(t) for t in tensors if t.numel() > 0)
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    return local_of(tensor).untyped_storage().data_ptr()
 
 
 def free_storage(tensor: torch.Tensor) -> None:

@@ -65,12 +65,13 @@ from lightning_emig.membership.handoff import LIVE_CHECKPOINT, LiveHandoff
 from lightning_emig.membership.settings import ElasticSettings, LayoutChoice, validate_layout_for_module
 from lightning_emig.migration.change import ChangeRecord
 from lightning_emig.migration.planner import IdentityMap
-from lightning_emig.migration.state import training_state
+from lightning_emig.migration.state import storages_of, training_state
 from lightning_emig.migration.transfer import DEFAULT_BUCKET_BYTES, TransferOptions
 from lightning_emig.strategy.async_checkpoint import AsyncCheckpointWriter
 from lightning_emig.strategy.boundary import (
     StepBoundaryHook,
     at_step_boundary,
+    reload_validation_loaders,
     rescale_batch_progress,
     restart_training_iterator,
 )
@@ -244,6 +245,12 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         """The optimizer steps this process's trainer has completed (-1 before it has one)."""
         trainer = getattr(self.lightning_module, "_trainer", None)
         return trainer.global_step if trainer is not None else -1
+
+    def live_storages(self) -> frozenset[int]:
+        module = self.lightning_module
+        if module is None:
+            return frozenset()
+        return storages_of(t for t in module.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor))
 
     @property
     def has_layout(self) -> bool:
@@ -561,6 +568,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         for loader in self._loaders:
             loader.stream.set_topology(self.layout.dp, self.layout_mesh.dp_rank)
         restart_training_iterator(trainer, old_accumulation)
+        reload_validation_loaders(trainer)
 
     def _apply_gradient_accumulation(self, trainer: pl.Trainer) -> None:
         requested = trainer.accumulate_grad_batches
