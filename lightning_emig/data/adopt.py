@@ -16,8 +16,9 @@ wrong data):
   the tail of each epoch's order: that is refused unless the loader says ``drop_last=True``;
 * a ``SequentialSampler`` (``shuffle=False``), a ``RandomSampler`` without replacement (``shuffle=True``), or the
   plain ``DistributedSampler`` Lightning injected for either (its ``shuffle`` is kept); any other sampler decides
-  the order itself, so it cannot be re-positioned. A shuffled order is seeded by the strategy's ``seed``, the same
-  on every rank.
+  the order itself, so it cannot be re-positioned. Under Lightning's ``DistributedSampler`` the order is its own
+  (its seed, torch's permutation of each epoch): every optimizer step takes the samples it takes under Lightning's
+  ``ModelParallelStrategy``, whatever the world. Otherwise a shuffled order is seeded by the strategy's ``seed``.
 
 Reading happens in the training process (the position must see every optimizer step's commit): ``num_workers`` is
 not used, with a warning.
@@ -72,9 +73,12 @@ def adopt_dataloader(loader: DataLoader, *, global_batch_size: int, micro_batch_
     if loader.num_workers > 0:
         log.warning("DataLoader(num_workers=%d) is read in the training process: the elastic data position must see "
                     "every optimizer step (worker processes are not used)", loader.num_workers)
-    # Seeded by the strategy's seed, the same on every rank (a DistributedSampler's may differ per rank).
-    sampler = GlobalOffsetSampler(len(loader.dataset), global_batch_size, seed=seed,  # type: ignore[arg-type]
-                                  shuffle=shuffle)
+    if isinstance(loader.sampler, DistributedSampler):  # Lightning's: its seed and torch's order, as Lightning reads
+        sampler = GlobalOffsetSampler(len(loader.dataset), global_batch_size, seed=loader.sampler.seed,  # type: ignore[arg-type]
+                                      shuffle=shuffle, torch_order=True)
+    else:  # seeded by the strategy's seed, the same on every rank
+        sampler = GlobalOffsetSampler(len(loader.dataset), global_batch_size, seed=seed,  # type: ignore[arg-type]
+                                      shuffle=shuffle)
     return MicroBatchLoader(MicroBatchStream(loader.dataset, sampler, micro_batch_size, collate_fn=loader.collate_fn,
                                             epochs=True))
 

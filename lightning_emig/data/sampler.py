@@ -4,7 +4,9 @@ The sampler is pure (no ``torch.distributed``, no process state beyond one integ
 of a run independently of how many ranks read it. Invariants:
 
 * epoch ``e`` is ``torch.randperm(num_samples)`` drawn from a generator seeded with ``mix_seed(seed, e)``
-  (``0 .. num_samples - 1`` in order with ``shuffle=False``);
+  (``0 .. num_samples - 1`` in order with ``shuffle=False``), or with ``seed + e`` under ``torch_order=True``: the
+  order torch's ``DistributedSampler`` draws, so a user's loader that Lightning gave one keeps Lightning's order
+  (each optimizer step takes the same samples as under Lightning's own strategies);
 * an epoch has ``steps_per_epoch = num_samples // global_batch_size`` optimizer steps; the
   ``num_samples % global_batch_size`` samples at the end of each epoch's permutation are *dropped* (a
   different set each epoch), so a global batch never spans two epochs;
@@ -58,7 +60,8 @@ class GlobalOffsetSampler:
         sampler.advance()
     """
 
-    def __init__(self, num_samples: int, global_batch_size: int, seed: int = 0, *, shuffle: bool = True) -> None:
+    def __init__(self, num_samples: int, global_batch_size: int, seed: int = 0, *, shuffle: bool = True,
+                 torch_order: bool = False) -> None:
         for name, value in (("num_samples", num_samples), ("global_batch_size", global_batch_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise SamplerStateError(f"{name} must be a positive int, got {value!r}")
@@ -74,6 +77,8 @@ class GlobalOffsetSampler:
         self.seed = seed
         self.shuffle = shuffle
         """False: every epoch is ``0 .. num_samples - 1`` in order (a ``DataLoader`` without ``shuffle``)."""
+        self.torch_order = torch_order
+        """Epoch ``e``'s permutation is seeded with ``seed + e``, as ``DistributedSampler`` seeds it."""
         self.steps_per_epoch = num_samples // global_batch_size
         self._offset = 0
         # One epoch's permutation is reused by every step of that epoch.
@@ -123,7 +128,8 @@ class GlobalOffsetSampler:
             raise SamplerStateError(f"epoch must be a non-negative int, got {epoch!r}")
         if self._cached_epoch != epoch:
             if self.shuffle:
-                generator = torch.Generator().manual_seed(mix_seed(self.seed, epoch))
+                seed = self.seed + epoch if self.torch_order else mix_seed(self.seed, epoch)
+                generator = torch.Generator().manual_seed(seed)
                 self._cached_permutation = torch.randperm(self.num_samples, generator=generator)
             else:
                 self._cached_permutation = torch.arange(self.num_samples)

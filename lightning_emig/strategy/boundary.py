@@ -14,7 +14,10 @@ attributes of Lightning 2.6, pinned by the reconfigure tests):
   still closes after exactly the new number of micro-batches;
 * a loader with epochs has as many micro-batches per epoch as the new accumulation makes: the epoch's length
   (``fit_loop.max_batches``, the loader's limit, the fetcher's length) and the validation interval taken from it
-  are measured again, so the epoch still ends after the same number of optimizer steps.
+  are measured again, so the epoch still ends after the same number of optimizer steps;
+* the validation loop's loaders were given a ``DistributedSampler`` for the old data-parallel coordinate (tensor-
+  parallel peers would read different batches): they are dropped, and Lightning prepares them again for the current
+  layout when it next validates.
 """
 
 from __future__ import annotations
@@ -52,6 +55,12 @@ def restart_training_iterator(trainer: pl.Trainer, old_accumulation: int) -> Non
     _measure_epoch_again(trainer, fetcher.combined_loader)
     iter(fetcher)  # takes its length from the loader's new limits
     fetcher.fetched += micro_batches
+
+
+def reload_validation_loaders(trainer: pl.Trainer) -> None:
+    """Make Lightning prepare the validation loaders again, under the strategy's current sampler arguments."""
+    val_loop: Any = trainer.fit_loop.epoch_loop.val_loop
+    val_loop._combined_loader = None  # noqa: SLF001 - no public reset; pinned by test_lightning_parity
 
 
 def _measure_epoch_again(trainer: pl.Trainer, combined_loader: Any) -> None:
