@@ -1,0 +1,257 @@
+"""Lightning parity: shapes of real Lightning code behave under ``ElasticMigrationStrategy`` as under Lightning's own
+``ModelParallelStrategy``, with and without a live layout change.
+
+One table of user shapes (:data:`SHAPES`), one runner: the same small LightningModule, written the way a user writes
+one, is fitted on 2 processes three times (every shape in one launch each):
+
+* ``reference``: Lightning's ``ModelParallelStrategy`` (FSDP2 over both processes, built with torch's own
+  ``fully_shard``);
+* ``elastic``: ``ElasticMigrationStrategy(layout=dp_shard=2)``;
+* ``changed``: the same, with a ``LayoutSchedule`` change to ``tp=2`` after step 4 (data-parallel degree 2 -> 1,
+  accumulation 2 -> 4), in the middle of the first epoch.
+
+Each shape is checked against the reference: the loss of every step, the learning rate of every step (epoch-interval
+schedulers), epochs completed and epoch-end hooks, validation runs and which validation samples each process read
+(every sample once per evaluation; tensor-parallel peers read the same ones), frozen parameters, and the final
+parameters. The dataset is read in order (``shuffle=False``): Lightning's ``DistributedSampler`` and the elastic
+global-offset sampler then put the same samples in every global batch.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_emig import HybridLayout
+from lightning_emig.parallelize import materialize_and_init, materialize_empty, parallelize_model
+from lightning_emig.strategy import ElasticMigrationStrategy, LayoutSchedule
+from lightning_emig.testing.distributed import run_distributed
+from lightning_emig.testing.runs import quiet_lightning
+
+pytestmark = [pytest.mark.multiprocess]
+
+SAMPLES, VAL_SAMPLES, GLOBAL_BATCH, MICRO_BATCH = 64, 16, 8, 2
+STEPS = 12  # one and a half epochs of 8 steps
+CHANGE_AFTER = 4
+SHAPES = ("plain", "epoch_scheduler", "validation", "frozen_in_hook", "blocks_container", "clip_partial_tp",
+          "param_groups", "root_buffer")
+"""The user shapes: what each row's module does differently from ``plain`` is in :class:`UserModule`."""
+
+
+class Features(Dataset):
+    """``(x, y, index)``: the index says which samples a process read."""
+
+    def __init__(self, size: int, offset: int = 0) -> None:
+        g = torch.Generator().manual_seed(offset)
+        self.x = torch.randn(size, 8, generator=g)
+        self.y = self.x.sum(-1) + 0.1 * torch.randn(size, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[i], self.y[i], i
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out(F.gelu(self.fc(x)))
+
+
+class Net(nn.Module):
+    """Blocks under ``layers`` (or, for the ``blocks_container`` shape, under timm's and GPT codes' ``blocks``)."""
+
+    def __init__(self, container: str) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.container = container
+        setattr(self, container, nn.ModuleList(Block() for _ in range(2)))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in getattr(self, self.container):
+            x = block(x)
+        return self.head(x).squeeze(-1)
+
+    def init_full_parameter(self, name: str, full: torch.Tensor, generator: torch.Generator) -> None:
+        full.zero_() if name.endswith("bias") else full.normal_(0.0, 0.2, generator=generator)
+
+
+#: A tensor-parallel plan that covers part of the model (the blocks' MLPs), as the README's own example does.
+TP_PLAN = {"*.*.fc": ColwiseParallel(), "*.*.out": RowwiseParallel()}
+
+
+class UserModule(pl.LightningModule):
+    def __init__(self, shape: str) -> None:
+        super().__init__()
+        self.shape = shape
+        self.net: Net | None = None
+        self.step_losses: dict[int, float] = {}
+        self.lrs: dict[int, list[float]] = {}
+        self.epoch_ends = 0
+        self.val_runs = 0
+        self.val_samples: list[list[int]] = []
+        self._micro: list[torch.Tensor] = []
+        if shape == "root_buffer":  # state on the LightningModule itself (a temperature, CLIP's logit scale)
+            self.register_buffer("temperature", torch.ones(()))
+
+    def configure_model(self) -> None:
+        if self.net is not None:
+            return
+        with torch.device("meta"):
+            net = Net("blocks" if self.shape == "blocks_container" else "layers")
+        strategy: Any = self.trainer.strategy
+        if isinstance(strategy, ElasticMigrationStrategy):
+            parallelize_model(net, strategy.layout_mesh, tp_plan=TP_PLAN)
+        else:  # Lightning's ModelParallelStrategy: FSDP2 as its docs show it
+            from torch.distributed.fsdp import fully_shard
+
+            for block in getattr(net, net.container):
+                fully_shard(block, mesh=self.device_mesh["data_parallel"])
+            fully_shard(net, mesh=self.device_mesh["data_parallel"])
+        if getattr(strategy, "migrating", False):
+            materialize_empty(net, strategy.root_device)
+        else:
+            materialize_and_init(net, strategy.root_device, seed=0)
+        self.net = net
+
+    def on_fit_start(self) -> None:
+        if self.shape == "frozen_in_hook":  # frozen after building, where finetuning code does it
+            self.net.inp.requires_grad_(False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, _ = batch
+        out = self.net(x)
+        loss = F.mse_loss(out * self.temperature if self.shape == "root_buffer" else out, y)
+        self._micro.append(loss.detach())
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # The mean over every process's micro-batches is the global batch's mean under any layout (tensor-parallel
+        # peers hold the same micro-batches, so their duplicates do not move the mean).
+        local = torch.stack(self._micro).mean()
+        self._micro.clear()
+        self.step_losses[self.trainer.global_step] = float(self.trainer.strategy.reduce(local, reduce_op="mean"))
+        self.lrs[self.trainer.global_step] = [group["lr"] for group in optimizer.param_groups]
+        if self.shape == "root_buffer":
+            self.temperature.mul_(1.01)
+
+    def on_train_epoch_end(self) -> None:
+        self.epoch_ends += 1
+
+    def on_validation_epoch_start(self) -> None:
+        if not self.trainer.sanity_checking:
+            self.val_runs += 1
+            self.val_samples.append([])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if not self.trainer.sanity_checking:
+            self.val_samples[-1].extend(int(i) for i in batch[2])
+
+    def configure_optimizers(self) -> Any:
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        if self.shape == "param_groups":
+            heads = [p for n, p in self.named_parameters() if n.startswith("net.head") and p.requires_grad]
+            rest = [p for p in trainable if all(p is not h for h in heads)]
+            optimizer = torch.optim.AdamW([{"params": rest}, {"params": heads, "lr": 3e-3, "weight_decay": 0.0}],
+                                          lr=1e-2)
+        else:
+            optimizer = torch.optim.AdamW(trainable, lr=1e-2)
+        if self.shape == "epoch_scheduler":  # Lightning's default interval is the epoch
+            return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
+        return optimizer
+
+
+def _full(t: torch.Tensor) -> list[Any]:
+    """The whole value, as plain lists (torch tensors would cross the process boundary through shared memory)."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().tolist()
+
+
+def _fit_every_shape(rank: int, world: int, mode: str) -> dict[str, Any]:
+    quiet_lightning()
+    results = {}
+    for shape in SHAPES:
+        if mode == "reference":
+            from lightning.pytorch.strategies import ModelParallelStrategy
+
+            strategy: Any = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
+                                                  timeout=timedelta(seconds=60))
+            accumulate = GLOBAL_BATCH // (MICRO_BATCH * 2)
+        else:
+            strategy = ElasticMigrationStrategy(layout=HybridLayout(dp_shard=2), global_batch_size=GLOBAL_BATCH,
+                                                micro_batch_size=MICRO_BATCH, timeout=timedelta(seconds=60))
+            accumulate = 1  # derived by the strategy
+        callbacks: list[Any] = []
+        if mode == "changed":
+            callbacks.append(LayoutSchedule([(CHANGE_AFTER, HybridLayout(dp_shard=1, tp=2))]))
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, callbacks=callbacks, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            accumulate_grad_batches=accumulate, num_sanity_val_steps=0,
+            gradient_clip_val=0.5 if shape == "clip_partial_tp" else None,
+        )
+        module = UserModule(shape)
+        pl.seed_everything(0)
+        val = DataLoader(Features(VAL_SAMPLES, offset=1), batch_size=MICRO_BATCH) if shape == "validation" else None
+        trainer.fit(module, DataLoader(Features(SAMPLES), batch_size=MICRO_BATCH), val)
+        results[shape] = {
+            "losses": module.step_losses, "lrs": module.lrs, "epoch": trainer.current_epoch,
+            "epoch_ends": module.epoch_ends, "val_runs": module.val_runs, "val_samples": module.val_samples,
+            "params": {n: _full(p) for n, p in module.named_parameters()} | {
+                n: _full(b) for n, b in module.named_buffers() if n == "temperature"},
+        }
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list[dict[str, Any]]]:
+    return {mode: run_distributed(_fit_every_shape, 2, mode, timeout_s=420)
+            for mode in ("reference", "elastic", "changed")}
+
+
+@pytest.mark.parametrize("mode", ["elastic", "changed"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_user_shape_trains_as_under_lightnings_own_strategy(runs: dict[str, Any], shape: str, mode: str) -> None:
+    reference, run = runs["reference"][0][shape], runs[mode][0][shape]
+    assert run["lrs"] == reference["lrs"], "learning rate per step (epoch-interval schedulers included)"
+    assert (run["epoch"], run["epoch_ends"]) == (reference["epoch"], reference["epoch_ends"])
+    steps = sorted(reference["losses"])
+    assert sorted(run["losses"]) == steps == list(range(STEPS))
+    for step in steps:
+        assert run["losses"][step] == pytest.approx(reference["losses"][step], rel=1e-4, abs=1e-6), step
+    assert run["params"].keys() == reference["params"].keys()
+    for name, value in reference["params"].items():
+        torch.testing.assert_close(torch.tensor(run["params"][name]), torch.tensor(value), rtol=1e-4, atol=1e-5,
+                                   msg=name)
+
+
+def test_a_part_frozen_after_building_stays_frozen_through_a_change(runs: dict[str, Any]) -> None:
+    frozen = [torch.tensor(runs[mode][0]["frozen_in_hook"]["params"]["net.inp.weight"])
+              for mode in ("reference", "elastic", "changed")]
+    trained = torch.tensor(runs["reference"][0]["plain"]["params"]["net.inp.weight"])
+    assert torch.equal(frozen[0], frozen[1]) and torch.equal(frozen[0], frozen[2])
+    assert not torch.allclose(frozen[0], trained), "the plain run trains the layer the frozen run holds still"
+
+
+def test_every_validation_sample_is_read_once_per_evaluation_under_every_layout(runs: dict[str, Any]) -> None:
+    for mode in ("reference", "elastic", "changed"):
+        per_rank = [result["validation"] for result in runs[mode]]
+        assert per_rank[0]["val_runs"] == runs["reference"][0]["validation"]["val_runs"] == 1, mode
+        samples = [sorted(r["val_samples"][0]) for r in per_rank]
+        if mode == "changed":  # tensor-parallel peers (dp 1): both read every sample, the same ones
+            assert samples[0] == samples[1] == list(range(VAL_SAMPLES)), mode
+        else:  # two data-parallel ranks: each sample read by one of them
+            assert sorted(samples[0] + samples[1]) == list(range(VAL_SAMPLES)), mode
