@@ -122,8 +122,9 @@ def _check_run(tmp_path: Path, reference: Future[dict[str, float]], a_workers: l
     config = GPTConfig()
     assert summary["tokens_seen"] == MAX_STEPS * GLOBAL_BATCH * config.seq_len, "the persistent buffer was lost"
     dataset = CountingSequences(512, config.seq_len, config.vocab_size)
-    ledger = check_ledger(run_dir, sampler=GlobalOffsetSampler(len(dataset), GLOBAL_BATCH, seed=0),
-                          max_steps=MAX_STEPS)
+    # The order of the DistributedSampler Lightning injects into the script's shuffled loader (seed_everything(0)).
+    sampler = GlobalOffsetSampler(len(dataset), GLOBAL_BATCH, seed=0, torch_order=True)
+    ledger = check_ledger(run_dir, sampler=sampler, max_steps=MAX_STEPS)
     ledger.assert_exactly_once()
     return {"summary": summary, "ledger": ledger, "worst": worst, "events": read_events(run_dir)}
 
