@@ -73,12 +73,12 @@ def adopt_dataloader(loader: DataLoader, *, global_batch_size: int, micro_batch_
     if loader.num_workers > 0:
         log.warning("DataLoader(num_workers=%d) is read in the training process: the elastic data position must see "
                     "every optimizer step (worker processes are not used)", loader.num_workers)
-    if isinstance(loader.sampler, DistributedSampler):  # Lightning's: its seed and torch's order, as Lightning reads
-        sampler = GlobalOffsetSampler(len(loader.dataset), global_batch_size, seed=loader.sampler.seed,  # type: ignore[arg-type]
-                                      shuffle=shuffle, torch_order=True)
-    else:  # seeded by the strategy's seed, the same on every rank
-        sampler = GlobalOffsetSampler(len(loader.dataset), global_batch_size, seed=seed,  # type: ignore[arg-type]
-                                      shuffle=shuffle)
+    # Under Lightning's DistributedSampler: its seed and torch's order, as Lightning reads it. Otherwise the strategy's
+    # seed, the same on every rank.
+    lightnings = isinstance(loader.sampler, DistributedSampler)
+    sampler = GlobalOffsetSampler(len(loader.dataset), global_batch_size,  # type: ignore[arg-type]
+                                  seed=loader.sampler.seed if lightnings else seed,  # type: ignore[attr-defined]
+                                  shuffle=shuffle, torch_order=lightnings)
     return MicroBatchLoader(MicroBatchStream(loader.dataset, sampler, micro_batch_size, collate_fn=loader.collate_fn,
                                             epochs=True))
 
