@@ -180,7 +180,7 @@ def _full(t: torch.Tensor) -> list[Any]:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().tolist()
 
 
-def _fit_every_shape(rank: int, world: int, mode: str) -> dict[str, Any]:
+def _fit_every_shape(rank: int, world: int, mode: str, root: str) -> dict[str, Any]:
     quiet_lightning()
     results = {}
     for shape in SHAPES:
@@ -201,7 +201,7 @@ def _fit_every_shape(rank: int, world: int, mode: str) -> dict[str, Any]:
             accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, callbacks=callbacks, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             accumulate_grad_batches=accumulate, num_sanity_val_steps=0,
-            gradient_clip_val=0.5 if shape == "clip_partial_tp" else None,
+            gradient_clip_val=0.5 if shape == "clip_partial_tp" else None, default_root_dir=f"{root}/{mode}/{shape}",
         )
         module = UserModule(shape)
         pl.seed_everything(0)
@@ -217,8 +217,9 @@ def _fit_every_shape(rank: int, world: int, mode: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[str, list[dict[str, Any]]]:
-    return {mode: run_distributed(_fit_every_shape, 2, mode, timeout_s=420)
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    root = str(tmp_path_factory.mktemp("parity"))  # the runs' events go here, not into the working directory
+    return {mode: run_distributed(_fit_every_shape, 2, mode, root, timeout_s=420)
             for mode in ("reference", "elastic", "changed")}
 
 
