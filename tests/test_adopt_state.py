@@ -95,3 +95,32 @@ def test_held_optimizer_state_is_adopted_in_place_and_trains_on_exactly() -> Non
         assert result["mismatch"] is None, result["mismatch"]
         assert result["refused"] is not None and "cannot be adopted" in result["refused"]
         assert result["other_stage"]
+
+
+class _WithScalar(torch.nn.Module):
+    """A 0-dim parameter (a temperature, CLIP's ``logit_scale``) beside a matrix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(2.0))
+        self.weight = torch.nn.Parameter(torch.ones(3, 4))
+
+
+def test_a_scalar_parameters_moments_live_with_it_and_only_step_counts_on_the_cpu() -> None:
+    """Adam's moments of a 0-dim parameter are scalars, like its ``step``, but belong with the parameter (its device,
+    its mesh). The new model is on ``meta`` here, so a moment put on the CPU by its shape alone shows."""
+    model = _WithScalar()
+    optimizer = torch.optim.AdamW(model.parameters())
+    (model.scale * model.weight).sum().backward()
+    optimizer.step()
+    template = {k: t.spec for k, t in training_state(model, optimizer).items() if k.startswith("optim/")}
+    with torch.device("meta"):
+        new_model = _WithScalar()
+    new_optimizer = torch.optim.AdamW(new_model.parameters())
+    allocated = allocate_optimizer_state(new_model, new_optimizer, template)
+    devices = {key: t.local.device.type for key, t in allocated.items()}
+    assert devices == {
+        "optim/scale/step": "cpu", "optim/scale/exp_avg": "meta", "optim/scale/exp_avg_sq": "meta",
+        "optim/weight/step": "cpu", "optim/weight/exp_avg": "meta", "optim/weight/exp_avg_sq": "meta",
+    }
+    assert new_optimizer.state[new_model.scale]["exp_avg"].device.type == "meta"

@@ -248,7 +248,7 @@ def allocate_optimizer_state(
     groups = {id(p): group for group in optimizer.param_groups for p in group["params"]}
     out: dict[str, StateTensor] = {}
     for key, spec, state_name, param in _states_of_held_parameters(model, template):
-        if spec.global_shape == ():
+        if _counter_like(spec, state_name, param):
             device = _scalar_state_device(groups.get(id(param), {}), param)
             value = torch.zeros((), dtype=spec.dtype, device=device)
         else:
@@ -262,8 +262,8 @@ def planned_optimizer_specs(model: torch.nn.Module, template: dict[str, Sharding
     """The specs :func:`allocate_optimizer_state` gives ``model``'s optimizer state, without allocating it (a plan
     made before the state exists)."""
     out: dict[str, ShardingSpec] = {}
-    for key, spec, _, param in _states_of_held_parameters(model, template):
-        if spec.global_shape == ():
+    for key, spec, state_name, param in _states_of_held_parameters(model, template):
+        if _counter_like(spec, state_name, param):
             out[key] = ShardingSpec((), spec.dtype, (), (), owner=spec.owner)
         else:
             out[key] = dataclasses.replace(spec_of(param), dtype=spec.dtype, owner=spec.owner)
@@ -331,6 +331,15 @@ def _optimizer_key(key: str) -> tuple[str, str] | None:
         return None
     name, state_name = rest.rsplit("/", 1)
     return name, state_name
+
+
+def _counter_like(spec: ShardingSpec, state_name: str, param: torch.Tensor) -> bool:
+    """Whether an optimizer state is a per-parameter counter (torch's ``step``: a plain scalar, kept where torch's
+    optimizers keep it) rather than shaped like its parameter. A 0-dim parameter's moments are scalars too, yet live
+    with the parameter (its device, its mesh): only there does the name decide."""
+    if spec.global_shape != ():
+        return False
+    return param.dim() != 0 or state_name == "step"
 
 
 def _scalar_state_device(group: dict[str, object], param: torch.Tensor) -> torch.device:
