@@ -137,6 +137,25 @@ def test_ranks_read_contiguous_slices_of_the_global_batch() -> None:
         assert flat == batch
 
 
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_under_torch_order_every_micro_batch_is_the_one_distributed_sampler_gives(dp: int) -> None:
+    """Lightning's injected ``DistributedSampler`` deals its order out round-robin; a micro-batch's composition
+    matters to whatever is not a plain mean over samples (batch norm, per-position loss weights)."""
+    from torch.utils.data import DistributedSampler
+
+    micro, accumulation, size = 2, 3, 96
+    sampler = GlobalOffsetSampler(size, global_batch_size=micro * accumulation * dp, seed=5, torch_order=True)
+    for rank in range(dp):
+        lightning = DistributedSampler(range(size), num_replicas=dp, rank=rank, shuffle=True, seed=5)
+        lightning.set_epoch(1)
+        order = list(lightning)
+        theirs = [order[k: k + micro] for k in range(0, len(order), micro)]
+        ours = [batch for step in range(sampler.steps_per_epoch)
+                for batch in sampler.indices_for_step(sampler.samples_per_epoch + step * sampler.global_batch_size,
+                                                      dp, rank, micro)]
+        assert ours == theirs
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

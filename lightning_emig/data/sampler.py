@@ -13,8 +13,9 @@ of a run independently of how many ranks read it. Invariants:
 * the only position state is ``offset``: samples consumed by completed optimizer steps, across epochs, always
   a multiple of ``global_batch_size``. The global batch starting at ``offset`` is
   ``permutation(offset // samples_per_epoch)[offset % samples_per_epoch :][:global_batch_size]``;
-* data-parallel rank ``r`` of ``dp`` reads the contiguous slice ``[r*G/dp, (r+1)*G/dp)`` of that global batch,
-  split in order into micro-batches. Hence for ANY dp degree the ranks' micro-batches of one step partition
+* data-parallel rank ``r`` of ``dp`` reads the contiguous slice ``[r*G/dp, (r+1)*G/dp)`` of that global batch
+  (under ``torch_order``: positions ``r, r + dp, r + 2 dp, ...``, as ``DistributedSampler`` deals them, so each
+  micro-batch holds the samples it holds under Lightning), split in order into micro-batches. Hence for ANY dp degree the ranks' micro-batches of one step partition
   that step's global batch exactly, and changing dp at a step boundary loses and repeats nothing.
 """
 
@@ -156,7 +157,9 @@ class GlobalOffsetSampler:
         if not isinstance(dp_rank, int) or isinstance(dp_rank, bool) or not 0 <= dp_rank < dp_degree:
             raise SamplerStateError(f"dp_rank must be an int in [0, {dp_degree}), got {dp_rank!r}")
         share = plan.samples_per_dp_rank
-        mine = self.global_batch(offset)[dp_rank * share : (dp_rank + 1) * share]
+        batch = self.global_batch(offset)
+        # DistributedSampler deals its order out round-robin (rank r reads r, r + dp, ...): the same micro-batches.
+        mine = batch[dp_rank::dp_degree] if self.torch_order else batch[dp_rank * share : (dp_rank + 1) * share]
         return [mine[k : k + micro_batch_size] for k in range(0, share, micro_batch_size)]
 
     # ------------------------------------------------------------------ state

@@ -13,8 +13,8 @@ record's ``time``.
 
 :func:`check_ledger` then holds, for every step ``0 .. max_steps - 1``, the invariant of
 :class:`~lightning_emig.data.sampler.GlobalOffsetSampler`: the last attempt's records are the step's global
-batch, recomputed from the sampler itself, each micro-batch exactly the slice its ``(dp_rank, micro_step)``
-reads, all of them together exactly ``global_batch_size`` ids; and, independently of the sampler, no sample id
+batch, recomputed from the sampler itself, each micro-batch exactly the one the sampler gives its
+``(dp_rank, micro_step)``, all of them together exactly ``global_batch_size`` ids; and, independently of the sampler, no sample id
 appears twice among the last attempts of one epoch.
 """
 
@@ -165,15 +165,14 @@ def _check_step(step: int, records: list[Record], sampler: GlobalOffsetSampler) 
     expected = sampler.global_batch(step * gbs)
     problems = []
     degree = int(records[0]["dp_degree"])
-    share = gbs // degree
     for r in records:
         where = f"step {step}, dp rank {r['dp_rank']}/{degree}, micro-step {r['micro_step']} ({r.get('file', '?')})"
         if r.get("offset", step * gbs) != step * gbs:
             problems.append(f"{where}: data offset {r['offset']} is not step x global batch = {step * gbs}")
         ids = list(r["sample_ids"])
-        start = r["dp_rank"] * share + r["micro_step"] * len(ids)
-        if ids != expected[start : start + len(ids)]:
-            problems.append(f"{where}: trained on {ids}, the sampler gives {expected[start : start + len(ids)]}")
+        given = sampler.indices_for_step(step * gbs, degree, int(r["dp_rank"]), len(ids))[int(r["micro_step"])]
+        if ids != given:
+            problems.append(f"{where}: trained on {ids}, the sampler gives {given}")
     counts = Counter(i for r in records for i in r["sample_ids"])
     missing = sorted(set(expected) - set(counts))
     unexpected = sorted(set(counts) - set(expected))
