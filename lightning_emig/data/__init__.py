@@ -5,6 +5,8 @@
 * :mod:`~lightning_emig.data.sampler` -- ``GlobalOffsetSampler``: the data order, addressed by one global sample
   offset, sliced per dp rank for any dp degree;
 * :mod:`~lightning_emig.data.stream` -- ``MicroBatchStream``: one rank's micro-batches from the committed offset;
+* :mod:`~lightning_emig.data.workers` -- ``WorkerSettings`` / ``MicroBatchReader``: a stream's micro-batches read by
+  torch's ``DataLoader``, in order, in worker processes or in this one (a user's loader's settings);
 * :mod:`~lightning_emig.data.datasets` / :mod:`~lightning_emig.data.corpus` -- index-deterministic datasets and an
   offline byte corpus (the Python standard library's sources).
 
@@ -16,6 +18,7 @@ from lightning_emig.data.corpus import CorpusError, default_cache_dir, ensure_st
 from lightning_emig.data.datasets import ByteCorpusDataset, SyntheticDataset
 from lightning_emig.data.sampler import GlobalOffsetSampler, SamplerStateError, mix_seed
 from lightning_emig.data.stream import MicroBatchStream, StaleIteratorError
+from lightning_emig.data.workers import WorkerSettings
 
 __all__ = [
     "BatchPlan",
@@ -27,6 +30,7 @@ __all__ = [
     "SamplerStateError",
     "StaleIteratorError",
     "SyntheticDataset",
+    "WorkerSettings",
     "default_cache_dir",
     "ensure_stdlib_corpus",
     "feasible_dp_degrees",

@@ -20,13 +20,17 @@ wrong data):
   (its seed, torch's permutation of each epoch): every optimizer step takes the samples it takes under Lightning's
   ``ModelParallelStrategy``, whatever the world. Otherwise a shuffled order is seeded by the strategy's ``seed``.
 
-Reading happens in the training process (the position must see every optimizer step's commit): ``num_workers`` is
-not used, with a warning.
+How the samples are read is the loader's own: ``num_workers``, ``prefetch_factor``, ``pin_memory``,
+``persistent_workers``, ``worker_init_fn``, ``multiprocessing_context`` and ``timeout`` are kept
+(:class:`~lightning_emig.data.workers.WorkerSettings`). Worker processes read and collate this rank's micro-batches, in
+order, ahead of training; the position stays in the training process and moves only when an optimizer step commits
+it (never for a batch the workers or Lightning read ahead), so a change or a restart continues at the exact global
+offset. The workers' seeds come from the data order's seed, the offset an iterator starts at and the initial seed of
+the loader's ``generator`` (which orders nothing here). ``in_order=False`` is refused: batches out of order would break
+the position.
 """
 
 from __future__ import annotations
-
-import logging
 
 from torch.utils.data import (
     BatchSampler,
@@ -40,8 +44,7 @@ from torch.utils.data import (
 from lightning_emig.data.loader import MicroBatchLoader
 from lightning_emig.data.sampler import GlobalOffsetSampler
 from lightning_emig.data.stream import MicroBatchStream
-
-log = logging.getLogger(__name__)
+from lightning_emig.data.workers import WorkerSettings
 
 USE_INSTEAD = (
     "use a map-style Dataset in a DataLoader(dataset, batch_size=micro_batch_size, shuffle=True|False), or feed "
@@ -70,9 +73,11 @@ def adopt_dataloader(loader: DataLoader, *, global_batch_size: int, micro_batch_
             "epoch's order would not be trained on; pass DataLoader(..., drop_last=True) to agree to that, or use a "
             "dataset whose size is a multiple of the global batch"
         )
-    if loader.num_workers > 0:
-        log.warning("DataLoader(num_workers=%d) is read in the training process: the elastic data position must see "
-                    "every optimizer step (worker processes are not used)", loader.num_workers)
+    if not loader.in_order:
+        raise DataLoaderNotElasticError(
+            "the training DataLoader has in_order=False: its workers would hand over micro-batches out of order, and "
+            "the data position counts them in order; leave in_order at its default (True)"
+        )
     # Under Lightning's DistributedSampler: its seed and torch's order, as Lightning reads it. Otherwise the strategy's
     # seed, the same on every rank.
     lightnings = isinstance(loader.sampler, DistributedSampler)
@@ -80,7 +85,7 @@ def adopt_dataloader(loader: DataLoader, *, global_batch_size: int, micro_batch_
                                   seed=loader.sampler.seed if lightnings else seed,  # type: ignore[attr-defined]
                                   shuffle=shuffle, torch_order=lightnings)
     return MicroBatchLoader(MicroBatchStream(loader.dataset, sampler, micro_batch_size, collate_fn=loader.collate_fn,
-                                            epochs=True))
+                                            epochs=True, workers=WorkerSettings.of(loader)))
 
 
 def _shuffles(loader: DataLoader) -> bool:

@@ -20,7 +20,8 @@ class MicroBatchLoader(DataLoader):
     """``DataLoader(stream, batch_size=None, num_workers=0)`` whose state is the stream's committed offset."""
 
     def __init__(self, stream: MicroBatchStream) -> None:
-        # num_workers=0: the stream's position lives in this process; worker copies would drift from it.
+        # num_workers=0: the stream's position lives in this process, where every optimizer step commits it; worker
+        # processes, if any, are the stream's own (MicroBatchStream(workers=...)), reading for it in order.
         super().__init__(stream, batch_size=None, num_workers=0)
         self.stream = stream
 

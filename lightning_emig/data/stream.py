@@ -17,22 +17,31 @@ num_workers=0)``; Lightning never injects a ``DistributedSampler`` into an itera
   validation at the epoch's end). An epoch is counted in global batches, so its number of optimizer steps does not
   change when the world does; its number of micro-batches per rank does (and so does ``len()``). Without it the
   stream is endless and has no length;
-* the stream runs in the process that commits: ``num_workers`` must be 0, which ``__iter__`` checks. Worker
-  processes would each hold a copy whose offset never sees the commits.
+* the stream runs in the process that commits (the outer loader's ``num_workers`` must be 0, which ``__iter__``
+  checks: a worker process would hold a copy whose offset never sees the commits). Worker processes read *for* it:
+  given :class:`~lightning_emig.data.workers.WorkerSettings` (a user's loader's ``num_workers``, ``prefetch_factor``,
+  ``pin_memory``, ``persistent_workers``, ``worker_init_fn``, ...), a
+  :class:`~lightning_emig.data.workers.MicroBatchReader` reads and collates the index lists the stream plans, in
+  order; without workers the same reader reads in this process. A micro-batch counts as produced when it leaves the
+  reader, never when a worker prefetches it. A stale iterator lets go of its reader iterator (its workers stop, or,
+  persistent, are reset by the next iterator, their prefetched batches dropped), and so does an iterator nobody holds
+  any more; the next iterator plans again from the committed offset.
 
-With ``collate_fn`` (a user's ``DataLoader``'s) an item is ``collate_fn([dataset[i] for i in ids])``, whatever
-that returns; :meth:`MicroBatchStream.take_produced` names its samples. Without it, each item is a dict of tensors
-with batch dimension ``m = micro_batch_size``: ``inputs`` [m, T], ``targets``
-[m, T], ``sample_ids`` [m] (dataset indices: the data ledger), ``step_offset`` [m] (the offset of the optimizer
-step the micro-batch belongs to) and ``micro_step`` [m] (its index within the accumulation window, 0-based).
+With ``collate_fn`` (a user's ``DataLoader``'s) an item is ``collate_fn([dataset[i] for i in ids])`` (or of
+``dataset.__getitems__(ids)``, as torch reads it), whatever that returns; :meth:`MicroBatchStream.take_produced` names
+its samples. Without it, each item is a dict of tensors with batch dimension ``m = micro_batch_size``: ``inputs``
+[m, T], ``targets`` [m, T], ``sample_ids`` [m] (dataset indices: the data ledger), ``step_offset`` [m] (the offset of
+the optimizer step the micro-batch belongs to) and ``micro_step`` [m] (its index within the accumulation window,
+0-based).
 The last two are per-sample columns, not Python ints, so Lightning's batch-size inference sees one batch
 size; compare ``batch["step_offset"][0]`` with ``stream.offset`` to detect a stale prefetched batch.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +49,8 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from lightning_emig.data.batching import BatchPlan
-from lightning_emig.data.sampler import GlobalOffsetSampler
+from lightning_emig.data.sampler import GlobalOffsetSampler, mix_seed
+from lightning_emig.data.workers import MicroBatchReader, WorkerSettings
 
 MicroBatch = dict[str, torch.Tensor]
 
@@ -72,6 +82,7 @@ class MicroBatchStream(IterableDataset[MicroBatch]):
         dp_rank: int | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         epochs: bool = False,
+        workers: WorkerSettings | None = None,
     ) -> None:
         size = len(dataset) if hasattr(dataset, "__len__") else None  # type: ignore[arg-type]
         if size is not None and size != sampler.num_samples:
@@ -85,6 +96,10 @@ class MicroBatchStream(IterableDataset[MicroBatch]):
         self.micro_batch_size = micro_batch_size
         self.collate_fn = collate_fn
         self.epochs = epochs
+        self.workers = WorkerSettings() if workers is None else workers
+        self._reader = MicroBatchReader(dataset, _stack_samples if collate_fn is None else collate_fn, self.workers)
+        # The live iterator's hold on its reader iterator, weakly: an iterator nobody holds stops its workers.
+        self._live: weakref.ref[_ReaderHold] | None = None
         self._produced: deque[ProducedBatch] = deque()
         self._topology: tuple[int, int] | None = None
         # Bumped whenever a live iterator would start reading wrong samples; iterators remember theirs.
@@ -173,7 +188,8 @@ class MicroBatchStream(IterableDataset[MicroBatch]):
         if get_worker_info() is not None:
             raise RuntimeError(
                 "MicroBatchStream must be read in the training process: use DataLoader(stream, batch_size=None,"
-                " num_workers=0). A worker process holds a copy of the stream that never sees commit_step."
+                " num_workers=0), and give the stream its workers (MicroBatchStream(..., workers=WorkerSettings("
+                "num_workers=...))). A worker process holds a copy of the stream that never sees commit_step."
             )
         dp_degree, dp_rank = self._require_topology()
         self._invalidate_iterators()  # one live iterator per stream: two would read the same steps
@@ -183,17 +199,42 @@ class MicroBatchStream(IterableDataset[MicroBatch]):
     def _produce(
         self, generation: int, offset: int, dp_degree: int, dp_rank: int, micro_batch_size: int
     ) -> Iterator[MicroBatch]:
+        last_micro_step = BatchPlan(self.sampler.global_batch_size, micro_batch_size, dp_degree).grad_accumulation - 1
+        planned = self._plan(offset, dp_degree, dp_rank, micro_batch_size)
+        in_reader: deque[ProducedBatch] = deque()  # handed to the reader, not yet out of it (prefetched)
+
+        def index_lists() -> Iterator[list[int]]:
+            for record in planned:
+                in_reader.append(record)
+                yield list(record.sample_ids)
+
+        self._check_live(generation)
+        hold = _ReaderHold(self._reader.read(index_lists(), seed=mix_seed(self.sampler.seed, offset,
+                                                                           self.workers.generator_seed)))
+        self._live = weakref.ref(hold)
+        while True:
+            self._check_live(generation)  # before the reader: a persistent one may serve a newer iterator now
+            assert hold.batches is not None
+            try:
+                batch = next(hold.batches)
+            except StopIteration:
+                hold.batches = None
+                return
+            record = in_reader.popleft()  # the reader returns batches in the order it took their index lists
+            self._produced.append(record)
+            if record.micro_step == last_micro_step:
+                self._produced_end = record.step_offset + self.sampler.global_batch_size
+            yield batch if self.collate_fn is not None else self._with_columns(batch, record)
+
+    def _plan(self, offset: int, dp_degree: int, dp_rank: int, micro_batch_size: int) -> Iterator[ProducedBatch]:
+        """This rank's micro-batches from the step at ``offset`` to the end of its epoch (``epochs=True``) or
+        forever; a global batch never spans two epochs."""
         global_batch_size = self.sampler.global_batch_size
-        # With epochs, this iterator ends where the epoch of its first step ends (a global batch never spans two).
         end = (self.sampler.epoch_of(offset) + 1) * self.sampler.samples_per_epoch if self.epochs else None
         while end is None or offset < end:
             micro_batches = self.sampler.indices_for_step(offset, dp_degree, dp_rank, micro_batch_size)
             for micro_step, ids in enumerate(micro_batches):
-                self._check_live(generation)
-                batch = self._collate(ids, offset, micro_step)
-                if micro_step == len(micro_batches) - 1:
-                    self._produced_end = offset + global_batch_size
-                yield batch
+                yield ProducedBatch(offset, micro_step, tuple(ids))
             offset += global_batch_size
 
     def take_produced(self) -> ProducedBatch | None:
@@ -205,18 +246,15 @@ class MicroBatchStream(IterableDataset[MicroBatch]):
         dropped with it."""
         return self._produced.popleft() if self._produced else None
 
-    def _collate(self, ids: Sequence[int], step_offset: int, micro_step: int) -> Any:
-        self._produced.append(ProducedBatch(step_offset, micro_step, tuple(ids)))
-        if self.collate_fn is not None:
-            return self.collate_fn([self.dataset[i] for i in ids])
-        inputs, targets = zip(*(_split_sample(self.dataset[i]) for i in ids), strict=True)
-        m = len(ids)
+    @staticmethod
+    def _with_columns(batch: dict[str, torch.Tensor], record: ProducedBatch) -> MicroBatch:
+        """The default item: the stacked samples plus the columns that name them (see the module docstring)."""
+        m = len(record.sample_ids)
         return {
-            "inputs": torch.stack(inputs),
-            "targets": torch.stack(targets),
-            "sample_ids": torch.tensor(ids, dtype=torch.long),
-            "step_offset": torch.full((m,), step_offset, dtype=torch.long),
-            "micro_step": torch.full((m,), micro_step, dtype=torch.long),
+            **batch,
+            "sample_ids": torch.tensor(record.sample_ids, dtype=torch.long),
+            "step_offset": torch.full((m,), record.step_offset, dtype=torch.long),
+            "micro_step": torch.full((m,), record.micro_step, dtype=torch.long),
         }
 
     def _check_live(self, generation: int) -> None:
@@ -232,6 +270,10 @@ class MicroBatchStream(IterableDataset[MicroBatch]):
         self._generation += 1
         self._produced_end = None
         self._produced.clear()
+        hold = self._live() if self._live is not None else None
+        if hold is not None:
+            hold.batches = None  # its workers stop (persistent ones wait for the next iterator to reset them)
+        self._live = None
 
     def _require_topology(self) -> tuple[int, int]:
         if self._topology is None:
@@ -240,6 +282,21 @@ class MicroBatchStream(IterableDataset[MicroBatch]):
                 " (dp_degree=1, dp_rank=0 on a single device)"
             )
         return self._topology
+
+
+class _ReaderHold:
+    """A stream iterator's reader iterator, held by that iterator alone (the stream keeps a weak reference)."""
+
+    __slots__ = ("__weakref__", "batches")
+
+    def __init__(self, batches: Iterator[Any]) -> None:
+        self.batches: Iterator[Any] | None = batches
+
+
+def _stack_samples(samples: list[Any]) -> dict[str, torch.Tensor]:
+    """The default collation (run where the reader reads: a worker, or this process)."""
+    inputs, targets = zip(*(_split_sample(sample) for sample in samples), strict=True)
+    return {"inputs": torch.stack(inputs), "targets": torch.stack(targets)}
 
 
 def _split_sample(sample: Any) -> tuple[torch.Tensor, torch.Tensor]:
