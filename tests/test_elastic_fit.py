@@ -69,8 +69,10 @@ def test_a_change_drops_only_the_children_that_hold_state() -> None:
     module = nn.Module()
     module.model, module.criterion = nn.Linear(2, 2), nn.CrossEntropyLoss()
     module.register_module("stats", nn.BatchNorm1d(2, affine=False))  # buffers only: state all the same
-    assert drop_model(module) == ["model", "stats"]
+    module.teacher = nn.Linear(2, 2)  # built outside configure_model: kept as it is
+    assert drop_model(module, keep=frozenset({"teacher"})) == ["model", "stats"]
     assert module.model is None and isinstance(module.criterion, nn.CrossEntropyLoss)
+    assert isinstance(module.teacher, nn.Linear)
     with pytest.raises(RuntimeError, match=r"left \['model', 'stats'\] as None"):
         check_rebuilt(module, ["model", "stats"])
 

@@ -19,6 +19,7 @@ global-offset sampler then put the same samples in every global batch.
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 from typing import Any
 
@@ -42,8 +43,18 @@ SAMPLES, VAL_SAMPLES, GLOBAL_BATCH, MICRO_BATCH = 64, 16, 8, 2
 STEPS = 12  # one and a half epochs of 8 steps
 CHANGE_AFTER = 4
 SHAPES = ("plain", "epoch_scheduler", "validation", "frozen_in_hook", "blocks_container", "clip_partial_tp",
-          "param_groups", "root_buffer")
+          "param_groups", "root_buffer", "init_children")
 """The user shapes: what each row's module does differently from ``plain`` is in :class:`UserModule`."""
+REFUSED = {
+    # Lightning's own refusal (several optimizers need manual optimization, which is refused here):
+    "two_optimizers": r"^RuntimeError: Training with multiple optimizers is only supported with manual optimization",
+    "manual_optimization": r"manual optimization \(automatic_optimization = False\) is not supported",
+    "weight_averaging": r"the EMAWeightAveraging callback keeps its own copy of the model",
+    "root_parameter": r"trainable parameter\(s\) \['scale'\] are not in the model configure_model builds",
+    "model_built_in_init": r"net\.inp\.weight was made a DTensor by configure_model, but net was built before it",
+    "unsupported_optimizer": r"Adafactor cannot be migrated: optimizer state .*row_var has shape",
+}
+"""Shapes refused when ``fit`` starts (before any step), with the message each gets."""
 
 
 class Features(Dataset):
@@ -107,12 +118,24 @@ class UserModule(pl.LightningModule):
         self._micro: list[torch.Tensor] = []
         if shape == "root_buffer":  # state on the LightningModule itself (a temperature, CLIP's logit scale)
             self.register_buffer("temperature", torch.ones(()))
+        if shape == "init_children":  # built in __init__, not in configure_model: a weighted loss, a frozen teacher
+            self.criterion = WeightedMSE(torch.tensor([0.5, 1.5]))
+            self.teacher = nn.Linear(8, 1).requires_grad_(False)
+        if shape == "root_parameter":  # a trainable temperature on the module itself: no layout reduces its grad
+            self.scale = nn.Parameter(torch.ones(()))
+        if shape == "model_built_in_init":  # as Lightning's docs build it, sharded later in configure_model
+            self.net = Net("layers")
+        if shape == "manual_optimization":
+            self.automatic_optimization = False
 
     def configure_model(self) -> None:
-        if self.net is not None:
+        if self.net is not None and self.shape == "model_built_in_init":
+            net = self.net  # to be refused: a model built before configure_model cannot be built again
+        elif self.net is not None:
             return
-        with torch.device("meta"):
-            net = Net("blocks" if self.shape == "blocks_container" else "layers")
+        else:
+            with torch.device("meta"):
+                net = Net("blocks" if self.shape == "blocks_container" else "layers")
         strategy: Any = self.trainer.strategy
         if isinstance(strategy, ElasticMigrationStrategy):
             parallelize_model(net, strategy.layout_mesh, tp_plan=TP_PLAN)
@@ -122,7 +145,9 @@ class UserModule(pl.LightningModule):
             for block in getattr(net, net.container):
                 fully_shard(block, mesh=self.device_mesh["data_parallel"])
             fully_shard(net, mesh=self.device_mesh["data_parallel"])
-        if getattr(strategy, "migrating", False):
+        if self.shape == "model_built_in_init":
+            pass
+        elif getattr(strategy, "migrating", False):
             materialize_empty(net, strategy.root_device)
         else:
             materialize_and_init(net, strategy.root_device, seed=0)
@@ -135,7 +160,10 @@ class UserModule(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y, _ = batch
         out = self.net(x)
-        loss = F.mse_loss(out * self.temperature if self.shape == "root_buffer" else out, y)
+        if self.shape == "init_children":
+            loss = self.criterion(out, y + 0.1 * self.teacher(x).squeeze(-1))
+        else:
+            loss = F.mse_loss(out * self.temperature if self.shape == "root_buffer" else out, y)
         self._micro.append(loss.detach())
         return loss
 
@@ -172,7 +200,25 @@ class UserModule(pl.LightningModule):
             optimizer = torch.optim.AdamW(trainable, lr=1e-2)
         if self.shape == "epoch_scheduler":  # Lightning's default interval is the epoch
             return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
+        if self.shape == "two_optimizers":  # a GAN's, or a separate one for the head
+            head = list(self.net.head.parameters())
+            body = [p for p in trainable if all(p is not h for h in head)]
+            return [torch.optim.AdamW(body, lr=1e-2), torch.optim.SGD(head, lr=1e-2)]
+        if self.shape == "unsupported_optimizer":  # factored second moments: not shaped like the parameters
+            return torch.optim.Adafactor(trainable, lr=1e-2)
         return optimizer
+
+
+class WeightedMSE(nn.Module):
+    """A loss with state of its own (a weight per class of target: below or above zero), built in ``__init__`` as
+    users build losses."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)
+
+    def forward(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((out - target) ** 2 * self.weight[(target > 0).long()]).mean()
 
 
 def _full(t: torch.Tensor) -> list[Any]:
@@ -203,8 +249,8 @@ def _fit_every_shape(rank: int, world: int, mode: str, root: str) -> dict[str, A
             accumulate_grad_batches=accumulate, num_sanity_val_steps=0,
             gradient_clip_val=0.5 if shape == "clip_partial_tp" else None, default_root_dir=f"{root}/{mode}/{shape}",
         )
+        pl.seed_everything(0)  # before the module: a child built in __init__ draws its initial values
         module = UserModule(shape)
-        pl.seed_everything(0)
         val = DataLoader(Features(VAL_SAMPLES, offset=1), batch_size=MICRO_BATCH) if shape == "validation" else None
         trainer.fit(module, DataLoader(Features(SAMPLES), batch_size=MICRO_BATCH), val)
         results[shape] = {
@@ -213,7 +259,28 @@ def _fit_every_shape(rank: int, world: int, mode: str, root: str) -> dict[str, A
             "params": {n: _full(p) for n, p in module.named_parameters()} | {
                 n: _full(b) for n, b in module.named_buffers() if n == "temperature"},
         }
+    if mode == "elastic":
+        results["refused"] = {shape: _refusal(shape, world, f"{root}/refused/{shape}") for shape in REFUSED}
     return results
+
+
+def _refusal(shape: str, world: int, root_dir: str) -> str:
+    """The error a shape's ``fit`` ends with (none: it trained, and the test fails)."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    strategy = ElasticMigrationStrategy(layout=HybridLayout(dp_shard=2), global_batch_size=GLOBAL_BATCH,
+                                        micro_batch_size=MICRO_BATCH, timeout=timedelta(seconds=60))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=root_dir,
+        callbacks=[EMAWeightAveraging()] if shape == "weight_averaging" else [],
+    )
+    module = UserModule(shape)
+    try:
+        trainer.fit(module, DataLoader(Features(SAMPLES), batch_size=MICRO_BATCH))
+    except Exception as exc:  # noqa: BLE001 - the refusal is the result
+        return f"{type(exc).__name__}: {exc} (steps trained: {trainer.global_step})"
+    return f"not refused: trained {trainer.global_step} steps"
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +306,15 @@ def test_a_user_shape_trains_as_under_lightnings_own_strategy(runs: dict[str, An
                                    msg=name)
 
 
+@pytest.mark.parametrize("shape", sorted(REFUSED))
+def test_a_shape_a_change_could_not_carry_is_refused_when_fit_starts(runs: dict[str, Any], shape: str) -> None:
+    for rank_result in runs["elastic"]:
+        refusal = rank_result["refused"][shape]
+        assert refusal.startswith("NotElasticError: ") or REFUSED[shape].startswith("^"), refusal
+        assert "(steps trained: 0)" in refusal
+        assert re.search(REFUSED[shape], refusal), refusal
+
+
 def test_a_part_frozen_after_building_stays_frozen_through_a_change(runs: dict[str, Any]) -> None:
     frozen = [torch.tensor(runs[mode][0]["frozen_in_hook"]["params"]["net.inp.weight"])
               for mode in ("reference", "elastic", "changed")]
@@ -256,3 +332,53 @@ def test_every_validation_sample_is_read_once_per_evaluation_under_every_layout(
             assert samples[0] == samples[1] == list(range(VAL_SAMPLES)), mode
         else:  # two data-parallel ranks: each sample read by one of them
             assert sorted(samples[0] + samples[1]) == list(range(VAL_SAMPLES)), mode
+
+
+class CheckpointProbe(pl.Callback):
+    """A callback with state, as users write them: what its checkpoint hooks see of a live handoff."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, Any] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank}
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.rank = trainer.global_rank
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        self.seen["save_keys"] = sorted(checkpoint)
+        self.seen["state_dict_keys"] = sorted(checkpoint["state_dict"])
+        checkpoint["probe"] = {"saved_at": trainer.global_step}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        from lightning_emig.strategy.rendezvous import capture_handoff, run_save_hooks
+
+        if trainer.global_step == 2 and "handed" not in self.seen:
+            handoff = capture_handoff(trainer, new_generation=1, last_step_wall=0.0)
+            run_save_hooks(trainer, handoff)
+            self.seen["handed"] = {"keys": sorted(handoff.metadata), "probe": handoff.metadata["probe"],
+                                   "callbacks": handoff.metadata["callbacks"][self.state_key]}
+
+
+def _hand_over_at_a_boundary(rank: int, world: int, root: str) -> dict[str, Any]:
+    quiet_lightning()
+    probe = CheckpointProbe()
+    strategy = ElasticMigrationStrategy(layout=HybridLayout(dp_shard=2), global_batch_size=GLOBAL_BATCH,
+                                        micro_batch_size=MICRO_BATCH, timeout=timedelta(seconds=60))
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=3, callbacks=[probe],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=root)
+    trainer.fit(UserModule("plain"), DataLoader(Features(SAMPLES), batch_size=MICRO_BATCH))
+    return probe.seen
+
+
+def test_a_handoff_gives_the_save_hooks_a_lightning_shaped_checkpoint(tmp_path: Any) -> None:
+    """What a live handoff carries is what the callbacks' ``on_save_checkpoint`` made of a checkpoint that has the
+    module's ``state_dict``, as when Lightning saves; the state dict itself does not travel (the state moves on its
+    own), each rank's callback state does."""
+    for rank, seen in enumerate(run_distributed(_hand_over_at_a_boundary, 2, str(tmp_path), timeout_s=120)):
+        assert "state_dict" in seen["save_keys"] and "net.head.weight" in seen["state_dict_keys"]
+        handed = seen["handed"]
+        assert handed["probe"] == {"saved_at": 2} and "state_dict" not in handed["keys"]
+        assert handed["callbacks"] == {"rank": rank}

@@ -63,7 +63,7 @@ def _fit(rank: int, world: int, root: str, change: bool) -> dict[str, Any]:
     run_dir = Path(root)
     callbacks: list[Any] = [DataLedger(run_dir)]
     if change:
-        callbacks.append(LayoutSchedule([(CHANGE_AT, HybridLayout(dp_shard=1, tp=2))]))
+        callbacks.append(LayoutSchedule([(CHANGE_AT, HybridLayout(dp_shard=1, tp=2))], prepare_ahead_steps=1))
     strategy = ElasticMigrationStrategy(layout=HybridLayout(dp_shard=2), global_batch_size=8, micro_batch_size=2,
                                         timeout=timedelta(seconds=60))
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, callbacks=callbacks,

@@ -288,7 +288,9 @@ def main(argv: list[str] | None = None) -> None:
                                             auto_insert_metric_name=False, every_n_train_steps=args.checkpoint_every,
                                             save_top_k=-1)]
     if args.layout_change:
-        callbacks.append(LayoutSchedule(args.layout_change))
+        # This configure_model makes no collective and no global-RNG call: it may run in a background thread, a step
+        # ahead, while training goes on (the switch then pauses for the transfer only).
+        callbacks.append(LayoutSchedule(args.layout_change, prepare_ahead_steps=1))
     if args.ledger:
         from lightning_emig.training.ledger import DataLedger
 

@@ -211,18 +211,26 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     split: StageSplit | None) -> Iterator[StateTensor]:
     for name, param in model.named_parameters():
         for key, value in optimizer.state.get(param, {}).items():
-            if not isinstance(value, torch.Tensor):
-                raise UnsupportedStateError(
-                    f"optimizer state {name}/{key} is a {type(value).__name__}, not a tensor; only tensor state "
-                    "(parameter-shaped or scalar) can be migrated"
-                )
-            if value.dim() == 0 or tuple(value.shape) == tuple(param.shape):
-                yield StateTensor(f"optim/{name}/{key}", _owned(spec_of(value), name, split), local_of(value))
-            else:
-                raise UnsupportedStateError(
-                    f"optimizer state {name}/{key} has shape {tuple(value.shape)}, neither the parameter's "
-                    f"{tuple(param.shape)} nor a scalar; this optimizer cannot be migrated"
-                )
+            check_optimizer_state(f"{name}/{key}", value, param)
+            yield StateTensor(f"optim/{name}/{key}", _owned(spec_of(value), name, split), local_of(value))
+
+
+def check_optimizer_state(name: str, value: object, param: torch.Tensor) -> None:
+    """What can be migrated of an optimizer: per-parameter tensors, each shaped like its parameter or a scalar.
+
+    Raises:
+        UnsupportedStateError: for any other state (a Python number, a factored moment, a flat buffer).
+    """
+    if not isinstance(value, torch.Tensor):
+        raise UnsupportedStateError(
+            f"optimizer state {name} is a {type(value).__name__}, not a tensor; only tensor state "
+            "(parameter-shaped or scalar) can be migrated"
+        )
+    if value.dim() != 0 and tuple(value.shape) != tuple(param.shape):
+        raise UnsupportedStateError(
+            f"optimizer state {name} has shape {tuple(value.shape)}, neither the parameter's "
+            f"{tuple(param.shape)} nor a scalar; this optimizer cannot be migrated"
+        )
 
 
 def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, StateTensor]:

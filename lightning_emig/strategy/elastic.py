@@ -78,6 +78,7 @@ from lightning_emig.strategy.boundary import (
 from lightning_emig.strategy.clipping import route_norm_clipping
 from lightning_emig.strategy.elastic_fit import ElasticFitLauncher, treat_step_as_saved
 from lightning_emig.strategy.events import publish_event
+from lightning_emig.strategy.fit_start import check_callbacks, check_fit_start, children_with_state
 from lightning_emig.strategy.grad_sync import DeferGradSync, accumulating, check_defer_choice
 from lightning_emig.strategy.live_join import join_live
 from lightning_emig.strategy.pipeline import (
@@ -201,6 +202,9 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         fits of one ``trainer.fit`` call are live changes, never restarts, whatever torchrun's environment says."""
         self._accumulation_written: int | None = None
         self._dropped_children: list[str] = []
+        self.kept_children: frozenset[str] = frozenset()
+        """The LightningModule's children with state that existed before ``configure_model`` ran (built in
+        ``__init__`` or ``setup``): a change keeps them as they are instead of building them again."""
         self._starting_over = False
         self._join: tuple[ChangeRecord, float, float] | None = None
         """The change this fit started with (its record, when the last old step ended, when the state was in place):
@@ -357,6 +361,9 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None:
+            check_callbacks(trainer)  # before the callbacks' setup, where a model-copying one makes its copy
         freeze_what_exists()  # later collections, the ones a change sets off among them, walk only the fit's objects
         if self._checkpoint_writer.closed:  # the previous fit of this Trainer.fit call closed it
             self._checkpoint_writer = AsyncCheckpointWriter(self.timeout)
@@ -467,6 +474,16 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             log.info("layout %s on %d processes; %s", layout_mesh.layout.describe(), self.world_size, plan.describe())
 
     @override
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        # Lightning enters it right before configure_model: what holds state now was built elsewhere.
+        module = self.lightning_module
+        if module is not None and getattr(module, "_trainer", None) is not None:
+            self.kept_children = children_with_state(module)
+        with super().tensor_init_context(empty_init):
+            yield
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.max_steps < 0:
             raise ValueError(
@@ -478,6 +495,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         self._apply_gradient_accumulation(trainer)
         _add_callbacks(trainer)
         super().setup(trainer)
+        check_fit_start(trainer, self.lightning_module, self.kept_children)
         route_norm_clipping(self.precision_plugin, self._pipeline_group)
 
     def _pipeline_group(self) -> dist.ProcessGroup | None:
@@ -728,8 +746,13 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        if checkpoint_path == LIVE_CHECKPOINT:
-            return self._load_live()
+        checkpoint = self._load_live() if checkpoint_path == LIVE_CHECKPOINT else self._load_file(checkpoint_path)
+        # Loaded into the module already; the load hooks (WeightAveraging's, a user's) see it as in a checkpoint.
+        assert self.lightning_module is not None
+        checkpoint.setdefault("state_dict", self.lightning_module.state_dict())
+        return checkpoint
+
+    def _load_file(self, checkpoint_path: _PATH) -> dict[str, Any]:
         load_started = time.time()
         checkpoint = self._load_checkpoint_contents(checkpoint_path)
         saved = checkpoint.get(CHECKPOINT_KEY, {})

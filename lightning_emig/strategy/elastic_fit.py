@@ -170,7 +170,7 @@ class ElasticFitLauncher(_Launcher):
             log.warning("this process's node was preempted and its state handed over: leaving the job (exit 0)")
             raise SystemExit(0)
         handoff.lap("teardown")
-        dropped = drop_model(trainer.lightning_module)
+        dropped = drop_model(trainer.lightning_module, self._strategy.kept_children)
         return self._go_on(trainer, self._switch(trainer, handoff), dropped)
 
     def _recover(self, trainer: pl.Trainer, failure: BaseException, *, held: LiveHandoff | None = None
@@ -178,7 +178,7 @@ class ElasticFitLauncher(_Launcher):
         """The survivors' side of an abrupt failure (of the generation, or of the change to ``held.generation``
         before its state moved): a live handoff into their generation, or a rollback."""
         # Its FSDP state references the broken groups; the state is stashed.
-        dropped = drop_model(trainer.lightning_module)
+        dropped = drop_model(trainer.lightning_module, self._strategy.kept_children)
         outcome = recover_from_failure(self._strategy, failure, os.environ[ENV_NODE_ID],
                                        int(os.environ["LOCAL_RANK"]), held=held)
         self._record_unfinished_change(trainer, held, outcome)

@@ -147,7 +147,10 @@ def join_live(
     record = dataclasses.replace(record, seconds={**news.seconds, **seconds, **record.seconds})
     if news.prior is not None:  # the state moved before this fit (preemption, failure): report that change
         record = news.prior.then(record)
-    return dict(news.metadata), record, news.last_step_wall
+    metadata = dict(news.metadata)
+    if handoff is not None:  # a holder keeps its own callbacks' state; a joiner takes the source's, as from a file
+        metadata["callbacks"] = handoff.metadata["callbacks"]
+    return metadata, record, news.last_step_wall
 
 
 def _holds_the_new_layout(who: list[Any], old_world: int, old_layout: HybridLayout,

@@ -99,7 +99,7 @@ class PreparedLayout:
     def install(self, strategy: ElasticMigrationStrategy, module: Any) -> None:
         """Put the prepared mesh and children in place of the old ones (the old state must be captured first)."""
         strategy.install_mesh(self.layout_mesh, strategy.elastic_settings.plan_for(self.layout))
-        dropped = drop_model(module)
+        dropped = drop_model(module, strategy.kept_children)
         for name, child in self.children.items():
             setattr(module, name, child)
         for materialize in self.materialize:
@@ -209,7 +209,7 @@ def _build_on_stand_in(strategy: ElasticMigrationStrategy, layout_mesh: LayoutMe
     for registry in _REGISTRIES:
         stand_in.__dict__[registry] = dict(module.__dict__[registry])
     before = dict(stand_in.__dict__)
-    dropped = drop_model(stand_in)
+    dropped = drop_model(stand_in, strategy.kept_children)
     stand_in.__dict__["_device_mesh"] = layout_mesh.root
     view = strategy.shadow_view
     view.layout_mesh, view.migrating = layout_mesh, True

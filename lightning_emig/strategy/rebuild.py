@@ -27,6 +27,7 @@ from lightning_emig.migration.engine import tensor_migrations
 from lightning_emig.migration.planner import IdentityMap, TensorMigration
 from lightning_emig.migration.rank_order import choose_rank_order
 from lightning_emig.migration.state import ShardingSpec, training_state
+from lightning_emig.strategy.fit_start import children_with_state
 
 if TYPE_CHECKING:
     from lightning_emig.layout import HybridLayout
@@ -60,11 +61,11 @@ class ModuleSetup:
                 m.training = self.training[name]
 
 
-def drop_model(module: Any) -> list[str]:
+def drop_model(module: Any, keep: frozenset[str]) -> list[str]:
     """Set every direct child of ``module`` that holds parameters or buffers to None (its ``configure_model`` builds
-    them for the new layout; a child without state, e.g. a loss module, stays). Returns the names dropped."""
-    dropped = [name for name, child in module.named_children()
-               if any(True for _ in child.parameters()) or any(True for _ in child.buffers())]
+    them for the new layout), but those in ``keep``: the children built outside ``configure_model`` (a loss with a
+    class weight, a frozen teacher), which hold no layout and stay as they are. Returns the names dropped."""
+    dropped = sorted(children_with_state(module) - keep)
     for name in dropped:
         setattr(module, name, None)
     return dropped
@@ -83,7 +84,7 @@ def check_rebuilt(module: Any, dropped: list[str]) -> None:
 def rebuild_model(strategy: ElasticMigrationStrategy, module: Any) -> None:
     """Drop ``module``'s model and build it again with ``configure_model``, under ``strategy.migrating`` (it may
     skip initialisation: a migration overwrites every parameter) and the strategy's current ``layout_mesh``."""
-    dropped = drop_model(module)
+    dropped = drop_model(module, strategy.kept_children)
     strategy.migrating = True
     try:
         module.configure_model()

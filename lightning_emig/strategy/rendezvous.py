@@ -120,6 +120,7 @@ class RendezvousCallback(Callback):
             handoff = stash
             handoff.phase_started = time.perf_counter()
             handoff.seconds.update(detect=detect, agree=agree)
+            run_save_hooks(trainer, handoff)
             show_migration(trainer, "migrating (node leaving)")
             strategy.pending_handoff = drain_leavers(trainer, self._client, handoff)
             strategy.last_boundary = None  # the drain re-laid the captured state out: it is no boundary state now
@@ -134,6 +135,7 @@ class RendezvousCallback(Callback):
         handoff = stash
         handoff.generation, handoff.phase_started = latest, time.perf_counter()
         handoff.seconds.update(detect=detect, agree=agree)
+        run_save_hooks(trainer, handoff)
         show_migration(trainer, f"migrating (generation {latest})")
         strategy.pending_handoff = handoff
         trainer.should_stop = True
@@ -166,6 +168,7 @@ class RendezvousCallback(Callback):
             commit_generation(self._client, latest)
         handoff = strategy.last_boundary
         handoff.generation, handoff.phase_started = latest, time.perf_counter()
+        run_save_hooks(trainer, handoff)
         strategy.pending_handoff = handoff
         if trainer.global_rank == 0:
             log.warning("generation %d joined as training ended: handing it the final state", latest)
@@ -247,6 +250,9 @@ def capture_handoff(trainer: pl.Trainer, *, new_generation: int, last_step_wall:
         "optimizer_hyper": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
         "lightning_emig": {"layout": strategy.layout.as_dict(), "world_size": strategy.world_size},
     }
+    datamodule = trainer.datamodule
+    if datamodule is not None and (datamodule_state := datamodule.state_dict()):
+        metadata[type(datamodule).__qualname__] = datamodule_state
     holders = (read_generation(control_client_from_env(), strategy.generation).members if under_launcher()
                else ())
     return LiveHandoff(
@@ -254,6 +260,22 @@ def capture_handoff(trainer: pl.Trainer, *, new_generation: int, last_step_wall:
         old_world=strategy.world_size, old_rank=strategy.global_rank, state=training_state(module, optimizer),
         metadata=metadata, last_step_wall=last_step_wall,
     )
+
+
+def run_save_hooks(trainer: pl.Trainer, handoff: LiveHandoff) -> None:
+    """Once a captured boundary is handed over: the callbacks' and the module's ``on_save_checkpoint`` see its resume
+    metadata as they see a checkpoint Lightning saves, with the module's ``state_dict`` (the live tensors, not
+    copied; taken out again, as the state moves by itself), and what they add travels with it. Not at every
+    boundary's capture: Lightning calls these hooks when it saves, not at every step."""
+    module = trainer.lightning_module
+    checkpoint = handoff.metadata
+    checkpoint["state_dict"] = module.state_dict()
+    try:
+        for callback in trainer.callbacks:
+            callback.on_save_checkpoint(trainer, module, checkpoint)
+        module.on_save_checkpoint(checkpoint)
+    finally:
+        checkpoint.pop("state_dict", None)
 
 
 class HandoffAwareCheckpoint(ModelCheckpoint):

@@ -1,10 +1,13 @@
 """A fixed schedule of layout changes (``elastic.schedule=[{step: 50, layout: {tp: 2}}]``).
 
 Exercises live reconfiguration without any membership change: after optimizer step ``step`` has completed
-(``trainer.global_step == step``), the strategy switches to ``layout``. ``prepare_ahead_steps`` steps before (when
-that many remain), the strategy starts building the layout in the background
-(:meth:`~lightning_emig.strategy.elastic.ElasticMigrationStrategy.prepare_reconfigure`), so the switch pauses for
-the transfer only; 0 builds it at the boundary. An entry that does not fit the world a membership change left is
+(``trainer.global_step == step``), the strategy switches to ``layout``. By default the new layout is built at that
+boundary. With ``prepare_ahead_steps=N`` (N >= 1) the strategy starts building it N steps before, in a background
+thread (:meth:`~lightning_emig.strategy.elastic.ElasticMigrationStrategy.prepare_reconfigure`), so the switch pauses
+for the transfer only. That thread runs the LightningModule's ``configure_model`` while training's collectives run:
+ask for it only for a ``configure_model`` that makes no collective (a broadcast of pretrained weights), no barrier
+and no change to the global RNG (``torch.manual_seed``): each of those could hang the job or disturb training. The
+helpers of :mod:`lightning_emig.parallelize` meet this (their initialisation draws from generators of their own). An entry that does not fit the world a membership change left is
 skipped with a warning (one that does not fit the world the training started with is an error).
 """
 
@@ -24,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 class LayoutSchedule(Callback):
-    def __init__(self, schedule: Sequence[tuple[int, HybridLayout]], *, prepare_ahead_steps: int = 1) -> None:
+    def __init__(self, schedule: Sequence[tuple[int, HybridLayout]], *, prepare_ahead_steps: int = 0) -> None:
         steps = [step for step, _ in schedule]
         if any(step < 1 for step in steps):
             raise ValueError(f"elastic.schedule steps must be >= 1 (after that many optimizer steps), got {steps}")
