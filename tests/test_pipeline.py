@@ -98,6 +98,24 @@ def test_a_stage_keeps_its_parameters_under_their_names() -> None:
     assert any(n.startswith("tok_embeddings") for n in held[0]) and any(n.startswith("output") for n in held[1])
 
 
+def test_weights_tied_across_stages_are_refused_on_every_stage_and_a_tie_inside_a_block_is_kept() -> None:
+    from lightning_emig.layout import LayoutError
+
+    with torch.device("meta"):
+        full = Llama(get_model_config("tiny"))
+    tied = copy.deepcopy(full)
+    tied.output.weight = tied.tok_embeddings.weight  # GPT-2 style: the head is the embedding
+    for stage in range(2):
+        with pytest.raises(LayoutError, match=r"pp=2: the tied parameters \['tok_embeddings.weight', "
+                                              r"'output.weight'\] are one tensor"):
+            keep_stage(copy.deepcopy(tied), 2, stage)
+    within = copy.deepcopy(full)
+    block = within.blocks()[0]
+    block.attention.wk.weight = block.attention.wq.weight  # both names in one block: one stage holds it whole
+    kept = keep_stage(within, 2, 0)
+    assert kept.blocks()[0].attention.wk.weight is kept.blocks()[0].attention.wq.weight
+
+
 def test_with_two_stages_a_process_each_stage_is_a_view_over_its_own_blocks() -> None:
     """pp=2 x pp_virtual=2 over 4 blocks: process 0 holds stages 0 and 2 (blocks 0 and 2, the embedding), process 1
     stages 1 and 3 (blocks 1 and 3, the head). Each stage's view runs only its blocks, sharing the model's modules;

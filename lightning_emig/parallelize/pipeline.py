@@ -47,6 +47,7 @@ def keep_stage(model: nn.Module, pp: int, stage: int, pp_virtual: int = 1) -> nn
     stage holds each tensor for any layout. With ``pp_virtual > 1`` its ``pipeline_chunks`` are the stages' views."""
     if not 0 <= stage < pp:
         raise ValueError(f"stage {stage} is not one of the {pp} stages")
+    check_ties_stay_in_a_block(model, pp)
     split = _split(model)
     chunks = split.chunks_of(pp, stage, pp_virtual)
     blocks = chunks[0] if pp_virtual == 1 else frozenset(b for chunk in chunks for b in chunk)
@@ -58,6 +59,30 @@ def keep_stage(model: nn.Module, pp: int, stage: int, pp_virtual: int = 1) -> nn
             for index, chunk in enumerate(chunks))
     model.pipeline_split = split
     return model
+
+
+def check_ties_stay_in_a_block(model: nn.Module, pp: int) -> None:
+    """Refuse (on every process alike) tied weights that pipeline stages could put on different processes: a
+    parameter registered under two names (an embedding tied to the output projection) is one tensor only while both
+    names are in one block, which one stage holds whole. Cut apart, each stage would train its own copy."""
+    from lightning_emig.layout import LayoutError
+    from lightning_emig.models.base import blocks_of
+
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    block_names = {id(m): name for name, m in model.named_modules()}
+    prefixes = [block_names[id(b)] + "." for b in blocks_of(model)]
+
+    def block_of(name: str) -> str | None:
+        return next((prefix for prefix in prefixes if name.startswith(prefix)), None)
+
+    for tied in (group for group in names.values() if len(group) > 1):
+        if block_of(tied[0]) is None or any(block_of(n) != block_of(tied[0]) for n in tied[1:]):
+            raise LayoutError(
+                f"pp={pp}: the tied parameters {tied} are one tensor, which pipeline stages would put on different "
+                "processes (each training its own copy); untie them, or use a layout without pipeline stages"
+            )
 
 
 def stage_chunks(model: nn.Module) -> tuple[nn.Module, ...]:
