@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e '.[dev,etcd]'
+	$(PY) -m pip install --quiet -e '.[dev,etcd,hf]'
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -50,7 +50,9 @@ from lightning_emig.testing.nodes import (
     wait_for,
     wait_for_exit,
 )
+from lightning_emig.testing.nodes import held_at as _held_at
 from lightning_emig.testing.nodes import log_tail as _log
+from lightning_emig.testing.nodes import release as _release
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -89,20 +91,6 @@ def _start(tmp_path: Path, name: str, addr: str, port: int, *, layout: list[str]
                       train_args=[*ARGS, "--ledger", *layout], nnodes="1:2", env=env, max_restarts=max_restarts,
                       module="lightning_emig.testing.held_train", run_dir_args=["--out", str(tmp_path / "run")],
                       nproc_per_node=processes, **backend)
-
-
-def _held_at(tmp_path: Path, step: int, agents: dict[str, subprocess.Popen], *names: str) -> None:
-    """Rank 0 — on node A, or on one of ``names`` — holds at ``step``; the agents of those nodes are running."""
-    names = names or ("a",)
-    running = {n: agents[n] for n in names}
-    wait_for(lambda: any(f"test hold: step {step} waits" in _log(tmp_path, n, 10**6) for n in names)
-             or any(p.poll() is not None for p in running.values()),
-             180, f"rank 0 never reached step {step}:\n" + "".join(_log(tmp_path, n) for n in agents))
-    assert all(p.poll() is None for p in running.values()), "".join(_log(tmp_path, n) for n in agents)
-
-
-def _release(tmp_path: Path, step: int) -> None:
-    (tmp_path / f"release-{step}").touch()
 
 
 def _check_run(tmp_path: Path, reference: Future[dict[str, float]], a_workers: list[int], since: int = 0) -> dict:

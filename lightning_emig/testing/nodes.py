@@ -71,6 +71,22 @@ def log_tail(log_dir: Path, name: str, chars: int = 6000) -> str:
     return path.read_text()[-chars:] if path.exists() else ""
 
 
+def held_at(log_dir: Path, step: int, agents: Mapping[str, subprocess.Popen], *names: str) -> None:
+    """Global rank 0 — on node ``a``, or on one of ``names`` — holds at ``step`` (``LIGHTNING_EMIG_TEST_HOLD_AT_STEPS``
+    of :mod:`lightning_emig.testing.held_train`); the agents of those nodes are running."""
+    names = names or ("a",)
+    running = {n: agents[n] for n in names}
+    wait_for(lambda: any(f"test hold: step {step} waits" in log_tail(log_dir, n, 10**6) for n in names)
+             or any(p.poll() is not None for p in running.values()),
+             180, f"rank 0 never reached step {step}:\n" + "".join(log_tail(log_dir, n) for n in agents))
+    assert all(p.poll() is None for p in running.values()), "".join(log_tail(log_dir, n) for n in agents)
+
+
+def release(hold_dir: Path, step: int) -> None:
+    """Let the rank held at ``step`` go on (``hold_dir`` is its ``LIGHTNING_EMIG_TEST_HOLD_DIR``)."""
+    (hold_dir / f"release-{step}").touch()
+
+
 
 def wait_for_exit(log_dir: Path, agents: Mapping[str, subprocess.Popen], timeout_s: float,
                   names: Iterable[str] | None = None) -> dict[str, int]:
