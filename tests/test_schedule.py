@@ -49,6 +49,12 @@ def test_a_schedule_prepares_each_change_ahead_once_then_applies_it(ahead: int, 
     assert calls == [(step, what, layout.resolve(2).degrees.as_dict()) for step, what, layout in expected]
 
 
+def test_a_users_configure_model_runs_in_a_background_thread_only_when_the_schedule_asks_for_it() -> None:
+    """Preparing ahead runs the module's configure_model beside training's collectives: never by default."""
+    calls = _steps(LayoutSchedule([(3, TP), (5, HSDP)]), 6)
+    assert [what for _, what, _ in calls] == ["reconfigure", "reconfigure"]
+
+
 def test_a_schedule_refuses_a_negative_lead_and_unordered_steps() -> None:
     with pytest.raises(ValueError, match="prepare_ahead_steps must be >= 0"):
         LayoutSchedule([(3, TP)], prepare_ahead_steps=-1)
