@@ -53,6 +53,9 @@ REFUSED = {
     "root_parameter": r"trainable parameter\(s\) \['scale'\] are not in the model configure_model builds",
     "model_built_in_init": r"net\.inp\.weight was made a DTensor by configure_model, but net was built before it",
     "unsupported_optimizer": r"Adafactor cannot be migrated: optimizer state .*row_var has shape",
+    # Lightning's own (ModelParallelStrategy's) refusal:
+    "no_configure_model": r"^TypeError: When using the ElasticMigrationStrategy, you are required to override the "
+                          r"`configure_model\(\)` hook",
 }
 """Shapes refused when ``fit`` starts (before any step), with the message each gets."""
 
@@ -209,6 +212,21 @@ class UserModule(pl.LightningModule):
         return optimizer
 
 
+class NoConfigureModel(pl.LightningModule):
+    """Lightning code from before configure_model: the model built in ``__init__``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(8, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, _ = batch
+        return F.mse_loss(self.net(x).squeeze(-1), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
 class WeightedMSE(nn.Module):
     """A loss with state of its own (a weight per class of target: below or above zero), built in ``__init__`` as
     users build losses."""
@@ -275,7 +293,7 @@ def _refusal(shape: str, world: int, root_dir: str) -> str:
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=root_dir,
         callbacks=[EMAWeightAveraging()] if shape == "weight_averaging" else [],
     )
-    module = UserModule(shape)
+    module = NoConfigureModel() if shape == "no_configure_model" else UserModule(shape)
     try:
         trainer.fit(module, DataLoader(Features(SAMPLES), batch_size=MICRO_BATCH))
     except Exception as exc:  # noqa: BLE001 - the refusal is the result

@@ -4,7 +4,8 @@ A script trains under :class:`~lightning_emig.strategy.ElasticMigrationStrategy`
 ``ModelParallelStrategy``, or it is refused here with what to do instead; never at its first change, which may come
 in a preemption's grace period. Checked once the model and the optimizer are built:
 
-* the model is built in ``configure_model``: the strategy builds it again there for every new layout;
+* the model is built in ``configure_model`` (``ModelParallelStrategy`` itself refuses a module without one): the
+  strategy builds it again there for every new layout;
 * children built elsewhere (in ``__init__`` or ``setup``: a loss with a class weight, a metric, a frozen teacher)
   are kept as they are across changes, and their state moves to joining processes like the model's. They must hold
   no parallelized state (a model built in ``__init__`` and sharded in ``configure_model`` cannot be built again for
@@ -28,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.distributed.tensor import DTensor
 
 from lightning_emig.migration.state import UnsupportedStateError, check_optimizer_state, local_of
@@ -55,11 +55,6 @@ def children_with_state(module: torch.nn.Module) -> frozenset[str]:
 def check_fit_start(trainer: pl.Trainer, module: pl.LightningModule, kept: frozenset[str]) -> None:
     """Refuse, with what to do instead, what a change would refuse (see the module docstring); ``kept`` are the
     children built outside ``configure_model``."""
-    if not is_overridden("configure_model", module):
-        raise NotElasticError(
-            f"{type(module).__name__} defines no configure_model: ElasticMigrationStrategy builds the model there for "
-            "every layout; build it in configure_model whenever its attribute is None (see the README's user contract)"
-        )
     _check_kept_state(module, kept)
     _check_optimization(module)
     probe_optimizer(trainer.optimizers[0])
