@@ -237,17 +237,23 @@ class GPTModule(pl.LightningModule):
 # ------------------------------------------------------------------------------------------------- the script
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("outputs/gpt"), help="run directory (shared by all ranks)")
-    parser.add_argument("--max-steps", type=int, default=100)
-    parser.add_argument("--global-batch-size", type=int, default=8)
-    parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (kept when the world allows)")
+    add_run_arguments(parser, out=Path("outputs/gpt"))
     parser.add_argument("--dp-replicate", type=int, default=1, help="2: HSDP, each replica a whole copy")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (kept when the world allows)")
     parser.add_argument("--pp-virtual", type=int, default=1,
                         help="stages a pipeline process holds (> 1: --pipeline-schedule interleaved_1f1b)")
     parser.add_argument("--pipeline-schedule", choices=("gpipe", "1f1b", "interleaved_1f1b"), default="gpipe")
     parser.add_argument("--n-layers", type=int, default=GPTConfig.n_layers, help="transformer blocks")
+    return parser.parse_args(argv)
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, *, out: Path) -> None:
+    """The options of a run that every worked example takes (the HF example too)."""
+    parser.add_argument("--out", type=Path, default=out, help="run directory (shared by all ranks)")
+    parser.add_argument("--max-steps", type=int, default=100)
+    parser.add_argument("--global-batch-size", type=int, default=8)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (kept when the world allows)")
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--checkpoint-every", type=int, default=10, help="periodic checkpoint interval (steps)")
     parser.add_argument("--ledger", action="store_true", help="record every sample trained on (data ledger)")
@@ -257,7 +263,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="switch live to this layout after optimizer step STEP, prepared in the background a "
                              "step before (LayoutSchedule), e.g. 40:tp=2; repeatable")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
 
 
 def _layout_change(text: str) -> tuple[int, HybridLayout]:
@@ -268,6 +273,22 @@ def _layout_change(text: str) -> tuple[int, HybridLayout]:
         return int(step), HybridLayout(**degrees)
     except (TypeError, ValueError) as exc:
         raise argparse.ArgumentTypeError(f"{text!r}: expected STEP:AXIS=N[,AXIS=N], e.g. 40:tp=2 ({exc})") from None
+
+
+def run_callbacks(args: argparse.Namespace) -> list[Any]:
+    """Periodic checkpoints, the ``--layout-change`` schedule and the ``--ledger`` of :func:`add_run_arguments`."""
+    callbacks: list[Any] = [ModelCheckpoint(dirpath=args.out / "checkpoints", filename="step{step:06d}",
+                                            auto_insert_metric_name=False, every_n_train_steps=args.checkpoint_every,
+                                            save_top_k=-1)]
+    if args.layout_change:
+        # The examples' configure_model makes no collective and no global-RNG call: it may run in a background
+        # thread, a step ahead, while training goes on (the switch then pauses for the transfer only).
+        callbacks.append(LayoutSchedule(args.layout_change, prepare_ahead_steps=1))
+    if args.ledger:
+        from lightning_emig.training.ledger import DataLedger
+
+        callbacks.append(DataLedger(args.out))
+    return callbacks
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -284,17 +305,7 @@ def main(argv: list[str] | None = None) -> None:
         timeout=timedelta(seconds=60), seed=args.seed, async_checkpoints=True,
         failure=FailureSettings(heartbeat_interval_s=0.5, heartbeat_timeout_s=args.heartbeat_timeout),
     )
-    callbacks: list[Any] = [ModelCheckpoint(dirpath=args.out / "checkpoints", filename="step{step:06d}",
-                                            auto_insert_metric_name=False, every_n_train_steps=args.checkpoint_every,
-                                            save_top_k=-1)]
-    if args.layout_change:
-        # This configure_model makes no collective and no global-RNG call: it may run in a background thread, a step
-        # ahead, while training goes on (the switch then pauses for the transfer only).
-        callbacks.append(LayoutSchedule(args.layout_change, prepare_ahead_steps=1))
-    if args.ledger:
-        from lightning_emig.training.ledger import DataLedger
-
-        callbacks.append(DataLedger(args.out))
+    callbacks = run_callbacks(args)
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # processes per node, as torchrun started them
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=args.max_steps,
                          default_root_dir=args.out, callbacks=callbacks, logger=False, enable_progress_bar=False,

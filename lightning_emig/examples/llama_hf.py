@@ -32,16 +32,15 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from lightning_emig import HybridLayout, LayoutError
-from lightning_emig.examples.gpt import CountingSequences
+from lightning_emig.examples.gpt import CountingSequences, add_run_arguments, run_callbacks
 from lightning_emig.parallelize import materialize_and_init, materialize_empty, parallelize_model
-from lightning_emig.strategy import ElasticMigrationStrategy, LayoutSchedule
+from lightning_emig.strategy import ElasticMigrationStrategy
 
 SEQ_LEN = 32
 
@@ -189,31 +188,8 @@ class LlamaHFModule(pl.LightningModule):
 # ------------------------------------------------------------------------------------------------- the script
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("outputs/llama_hf"), help="run directory (shared by all ranks)")
-    parser.add_argument("--max-steps", type=int, default=100)
-    parser.add_argument("--global-batch-size", type=int, default=8)
-    parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (kept when the world allows)")
-    parser.add_argument("--samples", type=int, default=4096)
-    parser.add_argument("--checkpoint-every", type=int, default=10, help="periodic checkpoint interval (steps)")
-    parser.add_argument("--ledger", action="store_true", help="record every sample trained on (data ledger)")
-    parser.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds before a silent peer is dead")
-    parser.add_argument("--layout-change", type=_layout_change, action="append", default=[],
-                        metavar="STEP:AXIS=N[,AXIS=N]",
-                        help="switch live to this layout after optimizer step STEP, prepared in the background a "
-                             "step before (LayoutSchedule), e.g. 40:tp=2; repeatable")
-    parser.add_argument("--seed", type=int, default=0)
+    add_run_arguments(parser, out=Path("outputs/llama_hf"))
     return parser.parse_args(argv)
-
-
-def _layout_change(text: str) -> tuple[int, HybridLayout]:
-    """``40:tp=2,dp_shard=1`` -> (40, HybridLayout(tp=2, dp_shard=1))."""
-    step, _, axes = text.partition(":")
-    try:
-        degrees = {axis: int(degree) for axis, degree in (part.split("=") for part in axes.split(","))}
-        return int(step), HybridLayout(**degrees)
-    except (TypeError, ValueError) as exc:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected STEP:AXIS=N[,AXIS=N], e.g. 40:tp=2 ({exc})") from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -228,17 +204,7 @@ def main(argv: list[str] | None = None) -> None:
         timeout=timedelta(seconds=60), seed=args.seed, async_checkpoints=True,
         failure=FailureSettings(heartbeat_interval_s=0.5, heartbeat_timeout_s=args.heartbeat_timeout),
     )
-    callbacks: list[Any] = [ModelCheckpoint(dirpath=args.out / "checkpoints", filename="step{step:06d}",
-                                            auto_insert_metric_name=False, every_n_train_steps=args.checkpoint_every,
-                                            save_top_k=-1)]
-    if args.layout_change:
-        # This configure_model makes no collective and no global-RNG call: it may run in a background thread, a step
-        # ahead, while training goes on (the switch then pauses for the transfer only).
-        callbacks.append(LayoutSchedule(args.layout_change, prepare_ahead_steps=1))
-    if args.ledger:
-        from lightning_emig.training.ledger import DataLedger
-
-        callbacks.append(DataLedger(args.out))
+    callbacks = run_callbacks(args)
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # processes per node, as torchrun started them
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=args.max_steps,
                          default_root_dir=args.out, callbacks=callbacks, logger=False, enable_progress_bar=False,
