@@ -60,17 +60,17 @@ class WorkerSettings:
     def of(cls, loader: DataLoader) -> WorkerSettings:
         """The settings of ``loader``."""
         generator = loader.generator
-        return cls(
-            num_workers=loader.num_workers,
-            prefetch_factor=loader.prefetch_factor,
-            pin_memory=loader.pin_memory,
-            pin_memory_device=loader.pin_memory_device,
-            persistent_workers=loader.persistent_workers,
-            worker_init_fn=loader.worker_init_fn,
-            multiprocessing_context=loader.multiprocessing_context,
-            timeout=loader.timeout,
-            generator_seed=0 if generator is None else generator.initial_seed(),
-        )
+        return cls(**{name: getattr(loader, name) for name in _LOADER_ARGUMENTS},
+                   generator_seed=0 if generator is None else generator.initial_seed())
+
+    def loader_arguments(self) -> dict[str, Any]:
+        """The ``DataLoader`` arguments these settings keep, by their ``DataLoader`` names."""
+        return {name: getattr(self, name) for name in _LOADER_ARGUMENTS}
+
+
+_LOADER_ARGUMENTS = ("num_workers", "prefetch_factor", "pin_memory", "pin_memory_device", "persistent_workers",
+                     "worker_init_fn", "multiprocessing_context", "timeout")
+"""The fields of :class:`WorkerSettings` that are ``DataLoader`` arguments (and attributes) of the same name."""
 
 
 class _Feed:
@@ -94,14 +94,7 @@ class MicroBatchReader:
             dataset,
             batch_sampler=self._feed,
             collate_fn=collate_fn,
-            num_workers=settings.num_workers,
-            prefetch_factor=settings.prefetch_factor,
-            pin_memory=settings.pin_memory,
-            pin_memory_device=settings.pin_memory_device,
-            persistent_workers=settings.persistent_workers,
-            worker_init_fn=settings.worker_init_fn,
-            multiprocessing_context=settings.multiprocessing_context,
-            timeout=settings.timeout,
+            **settings.loader_arguments(),
             generator=self._generator,
             in_order=True,
         )
