@@ -15,8 +15,9 @@ of a run independently of how many ranks read it. Invariants:
   ``permutation(offset // samples_per_epoch)[offset % samples_per_epoch :][:global_batch_size]``;
 * data-parallel rank ``r`` of ``dp`` reads the contiguous slice ``[r*G/dp, (r+1)*G/dp)`` of that global batch
   (under ``torch_order``: positions ``r, r + dp, r + 2 dp, ...``, as ``DistributedSampler`` deals them, so each
-  micro-batch holds the samples it holds under Lightning), split in order into micro-batches. Hence for ANY dp degree the ranks' micro-batches of one step partition
-  that step's global batch exactly, and changing dp at a step boundary loses and repeats nothing.
+  micro-batch holds the samples it holds under Lightning), split in order into micro-batches. Hence for ANY dp
+  degree the ranks' micro-batches of one step partition that step's global batch exactly, and changing dp at a step
+  boundary loses and repeats nothing.
 """
 
 from __future__ import annotations

@@ -74,11 +74,11 @@ def check_ties_stay_in_a_block(model: nn.Module, pp: int) -> None:
     block_names = {id(m): name for name, m in model.named_modules()}
     prefixes = [block_names[id(b)] + "." for b in blocks_of(model)]
 
-    def block_of(name: str) -> str | None:
+    def block_holding(name: str) -> str | None:
         return next((prefix for prefix in prefixes if name.startswith(prefix)), None)
 
     for tied in (group for group in names.values() if len(group) > 1):
-        if block_of(tied[0]) is None or any(block_of(n) != block_of(tied[0]) for n in tied[1:]):
+        if block_holding(tied[0]) is None or any(block_holding(n) != block_holding(tied[0]) for n in tied[1:]):
             raise LayoutError(
                 f"pp={pp}: the tied parameters {tied} are one tensor, which pipeline stages would put on different "
                 "processes (each training its own copy); untie them, or use a layout without pipeline stages"

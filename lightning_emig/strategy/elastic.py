@@ -78,7 +78,7 @@ from lightning_emig.strategy.boundary import (
 from lightning_emig.strategy.clipping import route_norm_clipping
 from lightning_emig.strategy.elastic_fit import ElasticFitLauncher, treat_step_as_saved
 from lightning_emig.strategy.events import publish_event
-from lightning_emig.strategy.fit_start import check_callbacks, check_fit_start, children_with_state
+from lightning_emig.strategy.fit_start import check_callbacks, check_fit_start
 from lightning_emig.strategy.grad_sync import DeferGradSync, accumulating, check_defer_choice
 from lightning_emig.strategy.live_join import join_live
 from lightning_emig.strategy.pipeline import (
@@ -88,7 +88,7 @@ from lightning_emig.strategy.pipeline import (
     param_groups_of_every_stage,
 )
 from lightning_emig.strategy.prepare import LayoutPreparation, ShadowView
-from lightning_emig.strategy.rebuild import check_rebuilt, node_of_every_rank
+from lightning_emig.strategy.rebuild import check_rebuilt, children_with_state, node_of_every_rank
 from lightning_emig.strategy.reconfigure import ReconfigureEvent, reconfigure_live
 from lightning_emig.strategy.rendezvous import RendezvousCallback
 from lightning_emig.strategy.resume import check_checkpoint_matches, restart_reason

@@ -45,13 +45,6 @@ class NotElasticError(ValueError):
     """A script that a change of world or layout could not carry on: refused when ``fit`` starts."""
 
 
-def children_with_state(module: torch.nn.Module) -> frozenset[str]:
-    """The direct children of ``module`` that hold parameters or buffers (read before ``configure_model`` runs: the
-    children built elsewhere, which the strategy keeps across changes)."""
-    return frozenset(name for name, child in module.named_children()
-                     if next(child.parameters(), None) is not None or next(child.buffers(), None) is not None)
-
-
 def check_fit_start(trainer: pl.Trainer, module: pl.LightningModule, kept: frozenset[str]) -> None:
     """Refuse, with what to do instead, what a change would refuse (see the module docstring); ``kept`` are the
     children built outside ``configure_model``."""

@@ -27,7 +27,6 @@ from lightning_emig.migration.engine import tensor_migrations
 from lightning_emig.migration.planner import IdentityMap, TensorMigration
 from lightning_emig.migration.rank_order import choose_rank_order
 from lightning_emig.migration.state import ShardingSpec, training_state
-from lightning_emig.strategy.fit_start import children_with_state
 
 if TYPE_CHECKING:
     from lightning_emig.layout import HybridLayout
@@ -59,6 +58,13 @@ class ModuleSetup:
         for name, m in module.named_modules():  # each flag by itself: train() would set every submodule's
             if name in self.training:
                 m.training = self.training[name]
+
+
+def children_with_state(module: Any) -> frozenset[str]:
+    """The direct children of ``module`` that hold parameters or buffers (read before ``configure_model`` runs: the
+    children built elsewhere, which the strategy keeps across changes)."""
+    return frozenset(name for name, child in module.named_children()
+                     if next(child.parameters(), None) is not None or next(child.buffers(), None) is not None)
 
 
 def drop_model(module: Any, keep: frozenset[str]) -> list[str]:
