@@ -28,7 +28,7 @@ def _fsdp_specs() -> dict[str, object]:
     from lightning_emig.migration.stages import StageOwner, StageSplit
     from lightning_emig.migration.state import ShardingSpec
 
-    split = StageSplit(block_costs=(64,) * 4, first_extra=0, last_extra=0)
+    split = StageSplit(block_costs=(64,) * 4, first_extra=0, last_extra=0, blocks=tuple(f"layers.{i}" for i in range(4)))
     return {f"model/layers.{i}.w": ShardingSpec((8, 8), torch.float32, ("dp_shard",), (Shard(0),),
                                                 StageOwner.of(f"layers.{i}.w", split)) for i in range(4)}
 

@@ -32,7 +32,7 @@ from lightning_emig.migration.geometry import (
     shard_boxes,
     shard_holdings,
 )
-from lightning_emig.migration.stages import split_stages, stage_of
+from lightning_emig.migration.stages import StageOwner, StageSplit, split_stages
 from lightning_emig.testing.distributed import run_distributed
 
 
@@ -258,18 +258,24 @@ def test_fsdp_over_tp_on_layout_axes_and_stages() -> None:
     assert flat.replicas == 4
 
 
-def test_stage_ownership_by_name() -> None:
+def test_stage_ownership_by_declared_module_paths() -> None:
     five = split_stages([1] * 5, 2)  # the project's one split rule; equal blocks: the later stage takes the extra one
     assert five == (range(0, 2), range(2, 5))
     assert split_stages([1] * 4, 4) == tuple(range(i, i + 1) for i in range(4))
-    assert stage_of("layers.1.attention.wq.weight", five) == 0
-    assert stage_of("model.layers.2.feed_forward.w1.weight", five) == 1
-    assert stage_of("state.layers.4.attention_norm.weight.exp_avg", five) == 1
-    assert stage_of("tok_embeddings.weight", five) == 0
-    assert stage_of("output.weight", five) == 1 and stage_of("norm.weight", five) == 1
-    assert stage_of("rope.freqs", split_stages([1] * 5, 3), extra_owner={"rope": 0}) == 0
-    with pytest.raises(GeometryError, match="names layer 7 but the model has 5 layers"):
-        stage_of("layers.7.w", five)
+    # Blocks where the model says they are (timm's ``blocks.<i>``, any name), the embedding as it declares it.
+    sizes = [("wte.weight", 0), *((f"blocks.{i}.w", 1) for i in range(5)), ("head.weight", 0), ("blocks_norm.w", 0)]
+    split = StageSplit.of_tensors(sizes, blocks=[f"blocks.{i}" for i in range(5)], first=["wte"])
+    assert split.ranges(2) == five and split.block_costs == (1,) * 5
+
+    def stage(name: str) -> int | None:
+        return StageOwner.of(name, split).stage(2)
+
+    assert stage("blocks.1.w") == 0 and stage("blocks.2.w") == 1 and stage("blocks.4.w") == 1
+    assert stage("wte.weight") == 0 and stage("head.weight") == 1
+    assert stage("blocks_norm.w") == 1  # a sibling whose name starts like a block's is not in it
+    assert stage("layers.1.w") == 1  # a name that looks like a block but is not declared one: the last stage
+    held = split.with_prefix("model.")
+    assert StageOwner.of("model.blocks.1.w", held).stage(2) == 0 and StageOwner.of("model.wte.weight", held).stage(2) == 0
     with pytest.raises(GeometryError, match="cannot split 2 layers into 3"):
         split_stages([1, 1], 3)
 

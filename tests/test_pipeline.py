@@ -98,6 +98,81 @@ def test_a_stage_keeps_its_parameters_under_their_names() -> None:
     assert any(n.startswith("tok_embeddings") for n in held[0]) and any(n.startswith("output") for n in held[1])
 
 
+class VisionTransformerShaped(torch.nn.Module):
+    """timm's shape: ``patch_embed``, ``blocks`` (a ModuleList), ``norm``, ``head``; nothing named ``layers`` or
+    ``embeddings``. Its ``keep_stage`` puts an ``Identity`` where a dropped block was (the kept ones keep their
+    names)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch_embed = torch.nn.Linear(3, 4)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(4, 4)) for _ in range(4))
+        self.norm, self.head = torch.nn.LayerNorm(4), torch.nn.Linear(4, 2)
+
+    def keep_stage(self, blocks: range, *, first: bool, last: bool) -> None:
+        for index in range(len(self.blocks)):
+            if index not in blocks:
+                self.blocks[index] = torch.nn.Identity()
+        if not first:
+            self.patch_embed = None
+        if not last:
+            self.norm = self.head = None
+
+
+class Staged(torch.nn.Module):
+    """The user's wrapper declaring the stages (timm's ``blocks`` attribute leaves no room for a ``blocks()``
+    method on the model itself)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.vit = VisionTransformerShaped()
+
+    def blocks(self) -> list[torch.nn.Module]:
+        return list(self.vit.blocks)
+
+    def first_stage_modules(self) -> list[torch.nn.Module]:
+        return [self.vit.patch_embed]
+
+    def keep_stage(self, blocks: range, *, first: bool, last: bool) -> None:
+        self.vit.keep_stage(blocks, first=first, last=last)
+
+
+class StagedWithoutFirst(Staged):
+    first_stage_modules = None  # type: ignore[assignment]  # declares nothing: everything outside blocks is last
+
+
+def test_stages_are_cut_where_the_model_declares_its_blocks_whatever_their_names() -> None:
+    """A ``blocks`` container and a ``patch_embed`` (no ``layers.<i>``, no ``embeddings``): each stage holds the
+    blocks, the first-stage modules and the rest the model declares, and its state's specs say the same."""
+    from lightning_emig.migration.state import training_state
+
+    full = Staged()
+    names = set(full.state_dict())
+    cuts = [keep_stage(copy.deepcopy(full), 2, s) for s in range(2)]
+    held = [set(cut.state_dict()) for cut in cuts]
+    assert held[0] | held[1] == names and not held[0] & held[1]
+    assert {n.rsplit(".", 1)[0] for n in held[0]} == {"vit.patch_embed", "vit.blocks.0.0", "vit.blocks.1.0"}
+    assert {n.rsplit(".", 1)[0] for n in held[1]} == {"vit.blocks.2.0", "vit.blocks.3.0", "vit.norm", "vit.head"}
+    for stage, cut in enumerate(cuts):
+        owners = {key: t.spec.owner.stage(2) for key, t in training_state(cut, None).items()}
+        assert set(owners.values()) == {stage}, owners
+
+
+def test_a_keep_stage_that_disagrees_with_the_declaration_is_refused_before_the_cut() -> None:
+    """``keep_stage`` keeps ``patch_embed`` on the first stage only, but the model does not declare it there (no
+    ``first_stage_modules``): the migration would move it to the last stage. Refused on every stage alike, before
+    the model is cut."""
+    from lightning_emig.layout import LayoutError
+
+    for stage in range(2):
+        model = StagedWithoutFirst()
+        with pytest.raises(LayoutError, match=r"pp=2: StagedWithoutFirst.keep_stage for stage 0 keeps "
+                                              r"\['vit.patch_embed.bias', 'vit.patch_embed.weight'\] beyond and drops "
+                                              r"nothing"):
+            keep_stage(model, 2, stage)
+        assert model.state_dict().keys() == StagedWithoutFirst().state_dict().keys()  # not cut
+
+
 def test_weights_tied_across_stages_are_refused_on_every_stage_and_a_tie_inside_a_block_is_kept() -> None:
     from lightning_emig.layout import LayoutError
 

@@ -38,9 +38,11 @@ from lightning_emig.migration.rank_order import (
     choose_rank_order,
     groups_across_nodes,
 )
-from lightning_emig.migration.stages import split_stages, stage_of
+from lightning_emig.migration.stages import StageOwner, StageSplit
 
 N_LAYERS = 4
+#: The test model's stages: equal blocks, the embedding on the first stage.
+SPLIT = StageSplit((1,) * N_LAYERS, 0, 0, blocks=tuple(f"layers.{i}" for i in range(N_LAYERS)), first=("tok_embeddings",))
 
 
 # ------------------------------------------------------------------------------------- model-like state
@@ -77,7 +79,7 @@ MODEL: dict[str, tuple[tuple[int, ...], Any | None]] = {
 
 def model_shardings(layout: HybridLayout) -> dict[str, TensorSharding]:
     return {
-        name: fsdp_tp_sharding(shape, layout, tp, stage_of(name, split_stages([1] * N_LAYERS, layout.pp)))
+        name: fsdp_tp_sharding(shape, layout, tp, StageOwner.of(name, SPLIT).stage(layout.pp))
         for name, (shape, tp) in MODEL.items()
     }
 

@@ -89,8 +89,8 @@ class Embeddings(nn.Module):
 
 
 class GPT(nn.Module):
-    """Named the way pipeline stages are cut (``embeddings`` first, ``layers.<i>``, the rest last; see
-    ``keep_stage``): the same names under every layout, so each tensor has one key wherever it moves."""
+    """Pipeline stages declared by ``blocks()``, ``first_stage_modules()`` and ``keep_stage``: the kept modules keep
+    their names under every layout, so each tensor has one key wherever it moves."""
 
     def __init__(self, c: GPTConfig) -> None:
         super().__init__()
@@ -117,6 +117,10 @@ class GPT(nn.Module):
     def blocks(self) -> list[nn.Module]:
         """The transformer blocks: one FSDP2 unit each, and what pipeline stages are made of."""
         return list(self.layers.values())
+
+    def first_stage_modules(self) -> list[nn.Module]:
+        """What a pipeline's first stage holds besides its blocks: the embeddings (``keep_stage`` keeps them there)."""
+        return [self.embeddings]
 
     def keep_stage(self, blocks: range, *, first: bool, last: bool) -> None:
         """Cut down, in place, to one pipeline stage: ``blocks``, the embeddings if ``first``, the head if ``last``."""

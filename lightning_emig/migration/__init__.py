@@ -34,7 +34,7 @@ from lightning_emig.migration.planner import (
     plan_all,
     plan_for_rank,
 )
-from lightning_emig.migration.stages import split_stages, stage_of, stage_ranges_by_name
+from lightning_emig.migration.stages import StageOwner, StageSplit, split_stages, stage_holding
 
 __all__ = [
     "GeometryError",
@@ -48,6 +48,8 @@ __all__ = [
     "ProcessInfo",
     "RankPlan",
     "ShardBox",
+    "StageOwner",
+    "StageSplit",
     "Source",
     "StateLostError",
     "TensorMigration",
@@ -61,6 +63,5 @@ __all__ = [
     "shard_boxes",
     "shard_holdings",
     "split_stages",
-    "stage_of",
-    "stage_ranges_by_name",
+    "stage_holding",
 ]

@@ -1,9 +1,9 @@
-"""Pipeline stages, by name (pure): which blocks each stage holds and which stage owns a tensor.
+"""Pipeline stages (pure): which blocks each stage holds and which stage owns a tensor.
 
 The one split rule of the project (the model builder, :mod:`lightning_emig.parallelize.pipeline`, the migration
 geometry and the picker's cost model all use it): a decoder's blocks go to ``pp`` contiguous runs, each stage
-holding at least one block, so that the largest stage's parameter count is as small as it can be; the embedding
-counts on the first stage and everything outside the blocks and the embedding (final norm, output head) on the last.
+holding at least one block, so that the largest stage's parameter count is as small as it can be; the first stage
+also holds the embedding and the last everything else outside the blocks (final norm, output head).
 Among equally good splits the earlier stages take fewer blocks (under 1F1B the first stage keeps the most
 micro-batches' activations in flight). With a small vocabulary this is the even split; a large one gives the end
 stages fewer blocks.
@@ -12,22 +12,21 @@ With ``pp_virtual`` stages per process (the interleaved schedule's layout) the m
 ``pp x pp_virtual`` stages and stage ``s`` goes to the process whose pipeline coordinate is ``s % pp``: each process
 holds ``pp_virtual`` runs of blocks, the embedding is on process 0 and the head on process ``pp - 1``.
 
-Names: ``layers.<i>.`` anywhere in a name puts it in block ``i``; a component in ``first_stage`` (the embedding)
-puts it on stage 0; a buffer of the model's root module (``StageSplit.shared``: cutting a model to a stage keeps
-it, e.g. a step counter) is held by every stage; everything else goes to the last stage.
+Which tensor is where is declared by the model, never guessed from names: the modules its ``blocks()`` returns
+are the blocks, in that order (a tensor under block ``i``'s module path is in block ``i``); the modules its
+``first_stage_modules()`` returns (the embedding) are on stage 0; a buffer of the model's root module
+(``StageSplit.shared``: cutting a model to a stage keeps it, e.g. a step counter) is held by every stage; everything
+else (final norm, output head) goes to the last stage. A split records these module paths, so a tensor's stage is
+known by its name alone, also on a model already cut to one stage (its modules keep their names).
 """
 
 from __future__ import annotations
 
 import functools
-import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from lightning_emig.migration.boxes import GeometryError
-
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
-FIRST_STAGE_NAMES = ("tok_embeddings", "embed_tokens", "embeddings")
 
 
 def split_stages(block_costs: Sequence[int], pp: int, *, first_extra: int = 0,
@@ -67,84 +66,69 @@ def _split_stages(block_costs: tuple[int, ...], pp: int, first_extra: int, last_
     return tuple(range(a, b) for a, b in zip((0, *stops[:-1]), stops, strict=True))
 
 
-def block_of(name: str) -> int | None:
-    """The block index a name belongs to (``layers.<i>.``), or None."""
-    match = _LAYER_INDEX.search(name)
-    return int(match.group(1)) if match else None
-
-
-def stage_costs_by_name(named_sizes: Iterable[tuple[str, int]], n_layers: int, *,
-                        first_stage: Sequence[str] = FIRST_STAGE_NAMES) -> tuple[list[int], int, int]:
-    """(elements per block, on the first stage only, on the last stage only) of named tensors: what
-    :func:`split_stages` balances."""
-    blocks, first, last = [0] * n_layers, 0, 0
-    for name, size in named_sizes:
-        block = block_of(name)
-        if block is not None:
-            if block >= n_layers:
-                raise GeometryError(f"{name!r} names layer {block} but the model has {n_layers} layers")
-            blocks[block] += size
-        elif any(part in first_stage for part in name.split(".")):
-            first += size
-        else:
-            last += size
-    return blocks, first, last
-
-
-def stage_ranges_by_name(named_sizes: Iterable[tuple[str, int]], n_layers: int, pp: int) -> tuple[range, ...]:
-    """The blocks of every stage of a model whose tensors are ``named_sizes``."""
-    costs, first, last = stage_costs_by_name(named_sizes, n_layers)
-    return split_stages(costs, pp, first_extra=first, last_extra=last)
-
-
-def stage_of(
-    name: str,
-    ranges: Sequence[range],
-    *,
-    first_stage: Sequence[str] = FIRST_STAGE_NAMES,
-    extra_owner: Mapping[str, int] | None = None,
-) -> int:
-    """Pipeline stage owning a parameter (or optimizer-state entry) by name, given every stage's blocks.
-
-    ``layers.<i>.`` anywhere in the name puts it on the stage holding block ``i``; a name with a component in
-    ``first_stage`` goes to stage 0; ``extra_owner`` maps other component names to a stage; everything else (final
-    norm, output head) goes to the last stage.
-    """
-    block = block_of(name)
-    if block is not None:
-        for stage, blocks in enumerate(ranges):
-            if block in blocks:
-                return stage
-        raise GeometryError(f"{name!r} names layer {block} but the model has {ranges[-1].stop} layers")
-    components = name.split(".")
-    if extra_owner:
-        for part in components:
-            if part in extra_owner:
-                return extra_owner[part]
-    if any(part in first_stage for part in components):
-        return 0
-    return len(ranges) - 1
+def stage_holding(block: int | None, first: bool, ranges: Sequence[range], pp: int) -> int:
+    """The pipeline process (of ``pp``) holding a tensor of ``block`` (None: outside the blocks; then ``first``:
+    on the first stage, else on the last), given the blocks of every one of the ``len(ranges)`` stages (stage ``s``
+    is on process ``s % pp``)."""
+    if block is None:
+        return 0 if first else pp - 1
+    return next(stage for stage, blocks in enumerate(ranges) if block in blocks) % pp
 
 
 @dataclass(frozen=True, slots=True)
 class StageSplit:
-    """A whole model's stage costs (see :func:`stage_costs_by_name`): enough to split it for any ``pp``."""
+    """A whole model's stage costs and where its tensors are, by module path: enough to split it for any ``pp`` and
+    to tell which stage holds a tensor by its name. (Tuples throughout: the specs' ``repr`` must read the same in
+    every process; a frozenset's order varies with the hash seed.)"""
 
     block_costs: tuple[int, ...]
+    """Elements of each block."""
     first_extra: int
+    """Elements outside the blocks on the first stage (the embedding)."""
     last_extra: int
+    """Elements outside the blocks on the last stage (norm, head)."""
+    blocks: tuple[str, ...] = ()
+    """Module path of each block, in ``blocks()`` order."""
+    first: tuple[str, ...] = ()
+    """Module paths of the modules outside the blocks that the first stage holds (``first_stage_modules()``)."""
     shared: tuple[str, ...] = ()
-    """Names of the root module's own buffers, sorted: every stage keeps them, so every stage holds them. (A tuple:
-    the specs' ``repr`` must read the same in every process, a frozenset's order varies with the hash seed.)"""
+    """Names of the root module's own buffers, sorted: every stage keeps them, so every stage holds them."""
 
     @classmethod
-    def by_name(cls, named_sizes: Iterable[tuple[str, int]], n_layers: int,
-                shared: Iterable[str] = ()) -> StageSplit:
-        costs, first, last = stage_costs_by_name(named_sizes, n_layers)
-        return cls(tuple(costs), first, last, tuple(sorted(shared)))
+    def of_tensors(cls, named_sizes: Iterable[tuple[str, int]], *, blocks: Sequence[str], first: Sequence[str] = (),
+                   shared: Iterable[str] = ()) -> StageSplit:
+        """The split of a model whose tensors are ``named_sizes``, with blocks and first-stage modules at these
+        module paths."""
+        split = cls((0,) * len(blocks), 0, 0, tuple(blocks), tuple(first), tuple(sorted(shared)))
+        costs, first_extra, last_extra = [0] * len(blocks), 0, 0
+        for name, size in named_sizes:
+            block = split.block_of(name)
+            if block is not None:
+                costs[block] += size
+            elif split.on_first_stage(name):
+                first_extra += size
+            else:
+                last_extra += size
+        return cls(tuple(costs), first_extra, last_extra, split.blocks, split.first, split.shared)
+
+    def with_prefix(self, prefix: str) -> StageSplit:
+        """The same split named from a module that holds this model at ``prefix`` (``"model."``)."""
+        def named(paths: tuple[str, ...]) -> tuple[str, ...]:
+            return tuple(prefix + path for path in paths)
+
+        return StageSplit(self.block_costs, self.first_extra, self.last_extra, named(self.blocks), named(self.first),
+                          named(self.shared))
+
+    def block_of(self, name: str) -> int | None:
+        """The block a tensor of this name belongs to, None outside the blocks."""
+        return next((index for index, path in enumerate(self.blocks) if _under(name, path)), None)
+
+    def on_first_stage(self, name: str) -> bool:
+        """A tensor of this name is outside the blocks, on the first stage."""
+        return any(_under(name, path) for path in self.first)
 
     def ranges(self, pp: int) -> tuple[range, ...]:
-        return _split_of(self, pp)
+        return _split_of(self.block_costs, self.first_extra, self.last_extra, pp)
 
     def chunks_of(self, pp: int, process: int, pp_virtual: int = 1) -> tuple[range, ...]:
         """The blocks of each stage pipeline process ``process`` (of ``pp``) holds, in schedule order: stages
@@ -153,9 +137,13 @@ class StageSplit:
         return tuple(ranges[process + chunk * pp] for chunk in range(pp_virtual))
 
 
+def _under(name: str, path: str) -> bool:
+    return name.startswith(path + ".") or name == path
+
+
 @functools.lru_cache(maxsize=64)
-def _split_of(split: StageSplit, pp: int) -> tuple[range, ...]:
-    return split_stages(split.block_costs, pp, first_extra=split.first_extra, last_extra=split.last_extra)
+def _split_of(block_costs: tuple[int, ...], first_extra: int, last_extra: int, pp: int) -> tuple[range, ...]:
+    return split_stages(block_costs, pp, first_extra=first_extra, last_extra=last_extra)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,20 +158,15 @@ class StageOwner:
     every: bool = False
 
     @classmethod
-    def of(cls, name: str, split: StageSplit, *, first_stage: Sequence[str] = FIRST_STAGE_NAMES) -> StageOwner:
+    def of(cls, name: str, split: StageSplit) -> StageOwner:
         if name in split.shared:
             return cls(None, False, split, every=True)
-        block = block_of(name)
-        if block is not None and block >= len(split.block_costs):
-            raise GeometryError(f"{name!r} names layer {block} but the model has {len(split.block_costs)} layers")
-        return cls(block, block is None and any(part in first_stage for part in name.split(".")), split)
+        block = split.block_of(name)
+        return cls(block, block is None and split.on_first_stage(name), split)
 
     def stage(self, pp: int, pp_virtual: int = 1) -> int | None:
         """The pipeline process (of ``pp``, each with ``pp_virtual`` stages) holding the tensor (None: every
         process holds a copy)."""
         if self.every:
             return None
-        if self.block is not None:
-            ranges = self.split.ranges(pp * pp_virtual)
-            return next(stage for stage, blocks in enumerate(ranges) if self.block in blocks) % pp
-        return 0 if self.first else pp - 1
+        return stage_holding(self.block, self.first, self.split.ranges(pp * pp_virtual), pp)

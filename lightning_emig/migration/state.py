@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from lightning_emig.layout import HybridLayout
 from lightning_emig.migration.geometry import GeometryError, TensorSharding
 from lightning_emig.migration.stages import StageOwner, StageSplit
-from lightning_emig.models.base import blocks_of, declares_blocks
+from lightning_emig.models.base import blocks_of, declares_blocks, first_stage_modules_of, module_paths
 
 
 class UnsupportedStateError(TypeError):
@@ -155,15 +155,18 @@ def stage_split_of(model: torch.nn.Module) -> StageSplit | None:
         return None
     prefix, inner = found
     split = getattr(inner, "pipeline_split", None) or whole_model_split(inner)
-    return dataclasses.replace(split, shared=tuple(prefix + name for name in split.shared)) if prefix else split
+    return split.with_prefix(prefix) if prefix else split
 
 
 def whole_model_split(model: torch.nn.Module) -> StageSplit:
-    """The split of a whole (uncut) model with ``blocks()``: its parameter counts by name, its root buffers shared."""
+    """The split of a whole (uncut) model with ``blocks()``: its parameter counts, its blocks and first-stage modules
+    as it declares them, its root buffers shared."""
     own_parameters = {name for name, _ in model.named_parameters(recurse=False)}
     root_buffers = [name for name in model.state_dict(keep_vars=True) if "." not in name and name not in own_parameters]
-    return StageSplit.by_name(((name, p.numel()) for name, p in model.named_parameters()), len(blocks_of(model)),
-                              shared=root_buffers)
+    return StageSplit.of_tensors(((name, p.numel()) for name, p in model.named_parameters()),
+                                 blocks=module_paths(model, blocks_of(model), "blocks"),
+                                 first=module_paths(model, first_stage_modules_of(model), "first_stage_modules"),
+                                 shared=root_buffers)
 
 
 def stage_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

@@ -4,6 +4,10 @@ Invariants:
 
 * parameter names (``named_parameters``) never change under tensor parallelism or FSDP2, so a name identifies
   the same logical tensor in every layout — geometry, planner and initialization all key on it;
+* pipeline stages (``pp > 1``) are declared, never guessed from names: ``blocks()`` lists the blocks, the optional
+  ``first_stage_modules()`` the modules outside them that the first stage holds (the embedding; all others go to
+  the last stage), and ``keep_stage(blocks, first=, last=)`` cuts the model to one stage's share (see
+  :mod:`lightning_emig.parallelize.pipeline`, which checks every stage's cut against the declaration);
 * a :class:`TensorParallelPlan` is a pair of ``parallelize_module`` plans: one applied to the root module, one
   applied to each block returned by ``blocks()``, so a pipeline stage that dropped some blocks still works;
 * ``init_full_parameter`` fills the *full* (unsharded) value of a parameter from a generator, so the same seed
@@ -58,3 +62,19 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
     """The blocks ``model`` declares with its ``blocks()`` method; none if it declares none (then the whole model is
     one FSDP2 unit, and it cannot be cut into pipeline stages)."""
     return list(model.blocks()) if declares_blocks(model) else []  # type: ignore[operator]
+
+
+def first_stage_modules_of(model: nn.Module) -> list[nn.Module]:
+    """The modules outside the blocks that a pipeline's first stage holds (the embedding), as ``model`` declares
+    them with its ``first_stage_modules()`` method; none if it declares none (all of them go to the last stage)."""
+    declared = getattr(type(model), "first_stage_modules", None)
+    return list(model.first_stage_modules()) if inspect.isfunction(declared) else []  # type: ignore[operator]
+
+
+def module_paths(model: nn.Module, modules: list[nn.Module], what: str) -> tuple[str, ...]:
+    """The paths of ``modules`` inside ``model`` (``what`` names them in the error when one is not in it)."""
+    paths = {id(module): name for name, module in model.named_modules()}
+    missing = [type(module).__name__ for module in modules if id(module) not in paths]
+    if missing:
+        raise ValueError(f"{type(model).__name__}.{what}() returned modules that are not submodules of it: {missing}")
+    return tuple(paths[id(module)] for module in modules)

@@ -252,6 +252,10 @@ class Llama(nn.Module):
     def blocks(self) -> list[nn.Module]:
         return list(self.layers.values())
 
+    def first_stage_modules(self) -> list[nn.Module]:
+        """What a pipeline's first stage holds besides its blocks (``keep_stage`` keeps it there)."""
+        return [self.tok_embeddings]
+
     def keep_stage(self, blocks: range, *, first: bool, last: bool) -> None:
         """Keep only ``blocks`` (and the embedding if ``first``, the norm and head if ``last``), under their names."""
         for name in list(self.layers):

@@ -1,11 +1,16 @@
 """A model cut down to one pipeline process's stages.
 
 Which blocks a stage holds is the project's one split rule (:mod:`lightning_emig.migration.stages`, shared with the
-migration geometry and the picker): balanced by parameter count, counted by name. A model takes part through one
-hook, as :class:`~lightning_emig.models.llama.Llama` does: ``keep_stage(blocks: range, first: bool, last: bool)``
-drops every block outside ``blocks`` and, unless it is the first or the last stage, the embedding or the norm and
-head. The kept modules keep their names, so a parameter's name is the same in every stage layout (the key the
-migration moves it by).
+migration geometry and the picker): balanced by parameter count. A model takes part through three methods, as
+:class:`~lightning_emig.models.llama.Llama` does: ``blocks()`` lists its blocks, ``first_stage_modules()`` what the
+first stage holds besides them (the embedding; everything else outside the blocks is the last stage's), and
+``keep_stage(blocks: range, first: bool, last: bool)`` drops every block outside ``blocks`` and, unless it is the
+first or the last stage, the embedding or the norm and head. The kept modules keep their names, so a parameter's
+name is the same in every stage layout (the key the migration moves it by).
+
+Before a model is cut, every stage's cut is tried on a copy of it whose tensors are on the meta device (no memory,
+the same on every process): a ``keep_stage`` that keeps or drops other tensors than the declaration says, or tied
+weights that stages would hold apart, are refused on every process alike, before any state moves.
 
 With ``pp_virtual > 1`` (the interleaved schedule) a process holds several stages: the model keeps the blocks of all
 of them (one ``keep_stage`` call with their union), and each stage gets a *chunk*, a shallow view of the cut model
@@ -49,9 +54,8 @@ def keep_stage(model: nn.Module, pp: int, stage: int, pp_virtual: int = 1) -> nn
         raise ValueError(f"stage {stage} is not one of the {pp} stages")
     check_ties_stay_in_a_block(model, pp)
     split = _split(model)
-    chunks = split.chunks_of(pp, stage, pp_virtual)
-    blocks = chunks[0] if pp_virtual == 1 else frozenset(b for chunk in chunks for b in chunk)
-    model.keep_stage(blocks, first=stage == 0, last=stage == pp - 1)  # type: ignore[operator]
+    check_cuts_match_the_declaration(model, split, pp, pp_virtual)
+    chunks = _cut(model, split, pp, stage, pp_virtual)
     if pp_virtual > 1:
         model.pipeline_chunks = tuple(
             _chunk_view(model, chunk, first=stage == 0 and index == 0,
@@ -83,6 +87,53 @@ def check_ties_stay_in_a_block(model: nn.Module, pp: int) -> None:
                 f"pp={pp}: the tied parameters {tied} are one tensor, which pipeline stages would put on different "
                 "processes (each training its own copy); untie them, or use a layout without pipeline stages"
             )
+
+
+def check_cuts_match_the_declaration(model: nn.Module, split: StageSplit, pp: int, pp_virtual: int) -> None:
+    """Cut a meta copy of ``model`` to each process's stages and check that it keeps exactly the tensors ``split``
+    (the model's ``blocks()`` and ``first_stage_modules()``) puts there: the migration moves each tensor to the stage
+    the declaration names, so a cut that disagrees would train on tensors nobody moved, or drop moved ones."""
+    from lightning_emig.layout import LayoutError
+    from lightning_emig.migration.stages import StageOwner
+
+    names = list(model.state_dict(keep_vars=True))
+    for process in range(pp):
+        cut = _meta_copy(model)
+        _cut(cut, split, pp, process, pp_virtual)
+        kept = set(cut.state_dict(keep_vars=True))
+        expected = {name for name in names if StageOwner.of(name, split).stage(pp, pp_virtual) in (process, None)}
+        if kept != expected:
+            extra, missing = sorted(kept - expected)[:4], sorted(expected - kept)[:4]
+            raise LayoutError(
+                f"pp={pp}: {type(model).__name__}.keep_stage for stage {process} keeps {extra or 'nothing'} beyond "
+                f"and drops {missing or 'nothing'} of what blocks() and first_stage_modules() put on that stage: "
+                "first_stage_modules() must list exactly the modules outside the blocks that keep_stage keeps on "
+                "the first stage (the embedding), and keep_stage must keep everything else outside the blocks on "
+                "the last"
+            )
+
+
+def _cut(model: nn.Module, split: StageSplit, pp: int, process: int, pp_virtual: int) -> tuple[range, ...]:
+    """Cut ``model`` in place, by its own ``keep_stage``, to the stages of pipeline process ``process``; return
+    their blocks (one range per stage)."""
+    chunks = split.chunks_of(pp, process, pp_virtual)
+    blocks = chunks[0] if pp_virtual == 1 else frozenset(b for chunk in chunks for b in chunk)
+    model.keep_stage(blocks, first=process == 0, last=process == pp - 1)  # type: ignore[operator]
+    return chunks
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose tensors are new ones on the meta device (nothing is copied or allocated)."""
+    import copy
+
+    import torch
+
+    memo: dict[int, object] = {}
+    for param in model.parameters():
+        memo[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
+    for buffer in model.buffers():
+        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
+    return copy.deepcopy(model, memo)
 
 
 def stage_chunks(model: nn.Module) -> tuple[nn.Module, ...]:

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 from lightning_emig.migration.geometry import REPLICATE, PlacementSpec, TensorSharding
 from lightning_emig.migration.planner import IdentityMap, ProcessInfo, TensorMigration
 from lightning_emig.migration.rank_order import bytes_in_place, choose_rank_order
-from lightning_emig.migration.stages import stage_of, stage_ranges_by_name
-from lightning_emig.picker.shapes import ParamTensor, param_tensors
+from lightning_emig.migration.stages import stage_holding
+from lightning_emig.picker.shapes import ParamTensor, param_counts, param_tensors
 
 if TYPE_CHECKING:
     from lightning_emig.layout import HybridLayout
@@ -37,13 +37,13 @@ MIGRATED_BYTES_PER_ELEMENT = 12
 
 def stage_ranges(model: LlamaConfig, stages: int) -> tuple[range, ...]:
     """Every stage's blocks: the project's one split rule over this model's parameter counts."""
-    return stage_ranges_by_name(((t.name, _numel(t.shape)) for t in param_tensors(model)), model.n_layers, stages)
+    return param_counts(model).stages(stages)
 
 
-def pipeline_process_of(name: str, layout: HybridLayout, ranges: tuple[range, ...]) -> int | None:
-    """The pipeline coordinate holding tensor ``name`` under ``layout`` (``ranges``: its ``layout.stages`` stages'
+def pipeline_process_of(tensor: ParamTensor, layout: HybridLayout, ranges: tuple[range, ...]) -> int | None:
+    """The pipeline coordinate holding ``tensor`` under ``layout`` (``ranges``: its ``layout.stages`` stages'
     blocks; stage ``s`` is on process ``s % pp``), None without stages."""
-    return stage_of(name, ranges) % layout.pp if layout.pp > 1 else None
+    return stage_holding(tensor.block, tensor.first_stage, ranges, layout.pp) if layout.pp > 1 else None
 
 
 def sharding_of(tensor: ParamTensor, layout: HybridLayout, ranges: tuple[range, ...]) -> TensorSharding:
@@ -61,7 +61,7 @@ def sharding_of(tensor: ParamTensor, layout: HybridLayout, ranges: tuple[range, 
     if layout.tp > 1:
         names.append("tp")
         placements.append(REPLICATE if tensor.tp_dim is None else PlacementSpec("shard", tensor.tp_dim))
-    stage = pipeline_process_of(tensor.name, layout, ranges)
+    stage = pipeline_process_of(tensor, layout, ranges)
     return TensorSharding.for_layout(tensor.shape, layout, names, placements, stage=stage)
 
 
@@ -91,7 +91,7 @@ def grouped_migrations(model: LlamaConfig, old: HybridLayout, new: HybridLayout,
     old_ranges, new_ranges = stage_ranges(model, old.stages), stage_ranges(model, new.stages)
 
     def key(t: ParamTensor) -> tuple[object, ...]:
-        stages = tuple(pipeline_process_of(t.name, lay, ranges)
+        stages = tuple(pipeline_process_of(t, lay, ranges)
                        for lay, ranges in ((old, old_ranges), (new, new_ranges)))
         return (t.shape, t.tp_dim, stages)
 

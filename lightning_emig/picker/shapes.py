@@ -33,6 +33,8 @@ class ParamTensor:
     """Dim split by TP; ``None``: replicated over the TP axis."""
     block: int | None
     """Decoder block index, ``None`` for the root (embedding, final norm, output)."""
+    first_stage: bool = False
+    """Outside the blocks and on a pipeline's first stage (the embedding; the rest of the root is on the last)."""
 
     @property
     def numel(self) -> int:
@@ -44,7 +46,7 @@ def param_tensors(model: LlamaConfig) -> tuple[ParamTensor, ...]:
     """Every parameter of the Llama of this shape, in the model's registration order."""
     h, kv, f, v = model.dim, model.n_kv_heads * model.head_dim, model.ffn_hidden, model.vocab_size
     q = model.n_heads * model.head_dim
-    out = [ParamTensor("tok_embeddings.weight", (v, h), 0, None)]
+    out = [ParamTensor("tok_embeddings.weight", (v, h), 0, None, first_stage=True)]
     for i in range(model.n_layers):
         p = f"layers.{i}."
         out += [
