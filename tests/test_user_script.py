@@ -114,7 +114,12 @@ def _check_run(tmp_path: Path, reference: Future[dict[str, float]], a_workers: l
     sampler = GlobalOffsetSampler(len(dataset), GLOBAL_BATCH, seed=0, torch_order=True)
     ledger = check_ledger(run_dir, sampler=sampler, max_steps=MAX_STEPS)
     ledger.assert_exactly_once()
-    return {"summary": summary, "ledger": ledger, "worst": worst, "events": read_events(run_dir)}
+    # The script's SmoothedLoss callback: every process that ended the job holds the same state, a joiner's (loaded
+    # from the holders at its join) and a rolled-back one's (from the checkpoint) included.
+    callbacks = [json.loads(path.read_text()) for path in sorted((run_dir / "callbacks").glob("*.json"))]
+    assert callbacks and all(state == callbacks[0] for state in callbacks), callbacks
+    assert callbacks[0]["steps"] == MAX_STEPS, callbacks
+    return {"summary": summary, "callback_states": len(callbacks), "ledger": ledger, "worst": worst, "events": read_events(run_dir)}
 
 
 def _print_events(events: list[dict]) -> None:
@@ -226,6 +231,7 @@ def test_the_script_survives_a_killed_peer(tmp_path: Path, reference: Future, ki
     failure = events[0]
     if kill == "worker_with_replicas":
         assert kinds == [("failure", 2, 1), ("join", 1, 2)], checked["events"]
+        assert checked["callback_states"] == 2, "B's fresh worker, which joined at step 60, wrote no callback state"
         assert failure["steps_rolled_back"] == 0 and failure["step"] == 25
         assert set(checked["ledger"].rolled_back_steps) <= {25}, checked["ledger"].describe()
     else:

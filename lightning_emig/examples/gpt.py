@@ -9,7 +9,8 @@ strategy (``Trainer(strategy=ElasticMigrationStrategy(...))``), two helpers in `
 
 It also runs without the launcher (``python -m lightning_emig.examples.gpt``: one process) and under plain
 ``torchrun`` (membership changes then take torchrun's restart path). At the end the last rank 0 writes
-``<out>/summary.json`` (per-step loss, the ``tokens_seen`` buffer, its process id).
+``<out>/summary.json`` (per-step loss, the ``tokens_seen`` buffer, its process id), and every process its
+:class:`SmoothedLoss` callback's state (``<out>/callbacks/<pid>.json``).
 """
 
 from __future__ import annotations
@@ -279,11 +280,39 @@ def _layout_change(text: str) -> tuple[int, HybridLayout]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected STEP:AXIS=N[,AXIS=N], e.g. 40:tp=2 ({exc})") from None
 
 
+class SmoothedLoss(pl.Callback):
+    """A callback with state, as users' scripts have: a running mean of the loss, shown on the progress bar. Its
+    ``state_dict`` goes into checkpoints and, at a live join, to the joining processes (through ``load_state_dict``,
+    as Lightning restores it from a checkpoint), so every process goes on from the same value."""
+
+    def __init__(self, decay: float = 0.9) -> None:
+        self.decay = decay
+        self.value: float | None = None
+        self.steps = 0
+        """Optimizer steps averaged in: the job's step count on every process, joiners included."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        step = trainer.global_step - 1  # the step this batch ended, once its optimizer step ran
+        loss = getattr(pl_module, "step_losses", {}).get(step)
+        if loss is None or step < self.steps:  # not a step boundary (a micro-batch), or a step already counted
+            return
+        self.value = loss if self.value is None else self.decay * self.value + (1 - self.decay) * loss
+        self.steps = step + 1
+        pl_module.log("train/loss_smoothed", self.value, prog_bar=True, rank_zero_only=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value, "steps": self.steps}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.value, self.steps = state_dict["value"], state_dict["steps"]
+
+
 def run_callbacks(args: argparse.Namespace) -> list[Any]:
-    """Periodic checkpoints, the ``--layout-change`` schedule and the ``--ledger`` of :func:`add_run_arguments`."""
+    """Periodic checkpoints, a :class:`SmoothedLoss`, the ``--layout-change`` schedule and the ``--ledger`` of
+    :func:`add_run_arguments`."""
     callbacks: list[Any] = [ModelCheckpoint(dirpath=args.out / "checkpoints", filename="step{step:06d}",
                                             auto_insert_metric_name=False, every_n_train_steps=args.checkpoint_every,
-                                            save_top_k=-1)]
+                                            save_top_k=-1), SmoothedLoss()]
     if args.layout_change:
         # The examples' configure_model makes no collective and no global-RNG call: it may run in a background
         # thread, a step ahead, while training goes on (the switch then pauses for the transfer only).
@@ -323,6 +352,15 @@ def main(argv: list[str] | None = None) -> None:
                    "events": [e.as_dict() for e in strategy.events], "layout": strategy.layout.as_dict()}
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_callback_state(args.out, trainer)
+
+
+def write_callback_state(out: Path, trainer: pl.Trainer) -> None:
+    """Every process that ends the job writes its ``SmoothedLoss`` state (``<out>/callbacks/<pid>.json``): a joiner's
+    must equal the others', steps and all."""
+    smoothed = next(c for c in trainer.callbacks if isinstance(c, SmoothedLoss))
+    (out / "callbacks").mkdir(parents=True, exist_ok=True)
+    (out / "callbacks" / f"{os.getpid()}.json").write_text(json.dumps(smoothed.state_dict()))
 
 
 if __name__ == "__main__":
