@@ -65,16 +65,15 @@ def reload_validation_loaders(trainer: pl.Trainer) -> None:
 
 def _measure_epoch_again(trainer: pl.Trainer, combined_loader: Any) -> None:
     """The epoch's length in micro-batches under the new accumulation, where the loaders have one (as Lightning's
-    ``fit_loop.setup_data`` measures it at the start: the loader's length within ``limit_train_batches``)."""
+    ``fit_loop.setup_data`` measures it at the start; ``limit_train_batches`` is refused when fit starts, see
+    :mod:`lightning_emig.strategy.fit_start`)."""
     from lightning.fabric.utilities.data import sized_len
 
     lengths = [sized_len(loader) for loader in combined_loader.flattened]
     if None in lengths:
         return  # endless: no epoch to measure
-    limit = trainer.limit_train_batches
-    limits = [min(n, limit) if isinstance(limit, int) else int(n * limit) for n in lengths]
-    combined_loader.limits = limits
-    trainer.fit_loop.max_batches = max(limits)
+    combined_loader.limits = lengths
+    trainer.fit_loop.max_batches = max(lengths)
     if isinstance(trainer.val_check_interval, float) and trainer.check_val_every_n_epoch is not None:
         trainer.val_check_batch = max(1, int(trainer.fit_loop.max_batches * trainer.val_check_interval))
 

@@ -93,6 +93,7 @@ from lightning_emig.strategy.reconfigure import ReconfigureEvent, reconfigure_li
 from lightning_emig.strategy.rendezvous import RendezvousCallback
 from lightning_emig.strategy.resume import check_checkpoint_matches, restart_reason
 from lightning_emig.strategy.rng import gather_rng_states, restore_rng_for_rank
+from lightning_emig.strategy.schedule import LayoutSchedule
 from lightning_emig.strategy.sharded_load import holds_dtensors, load_sharded_into_plain_model
 
 if TYPE_CHECKING:
@@ -483,6 +484,14 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         with super().tensor_init_context(empty_init):
             yield
 
+    def _stages_later(self, trainer: pl.Trainer) -> bool:
+        """A layout this job is told of may have pipeline stages: the requested one, a ``LayoutSchedule``'s or the
+        picker's."""
+        scheduled = [layout for callback in trainer.callbacks if isinstance(callback, LayoutSchedule)
+                     for layout in callback.schedule.values()]
+        picked = self.picker is not None and self.picker.constraints.allow_pp
+        return picked or any(layout.pp > 1 for layout in (self._requested_layout, *scheduled))
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.max_steps < 0:
@@ -495,7 +504,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         self._apply_gradient_accumulation(trainer)
         _add_callbacks(trainer)
         super().setup(trainer)
-        check_fit_start(trainer, self.lightning_module, self.kept_children)
+        check_fit_start(trainer, self.lightning_module, self.kept_children, stages_later=self._stages_later(trainer))
         route_norm_clipping(self.precision_plugin, self._pipeline_group)
 
     def _pipeline_group(self) -> dist.ProcessGroup | None:

@@ -17,6 +17,10 @@ in a preemption's grace period. Checked once the model and the optimizer are bui
 * an optimizer whose state can be migrated (per-parameter tensors, each shaped like its parameter or a scalar):
   a new optimizer of the same class and settings takes two steps on small parameters (one per number of dimensions
   the real one holds) and its state is checked by the rule the migration applies;
+* a model that a later layout (the requested one, a ``LayoutSchedule``'s, or the picker's with ``allow_pp``)
+  cuts into pipeline stages declares them (``blocks()``, ``keep_stage``) and ties no weights across its blocks;
+* every epoch whole: ``limit_train_batches`` / ``overfit_batches`` count each process's batches, whose number per
+  global batch a change of world changes;
 * no callback that keeps its own copy of the model (Lightning's ``WeightAveraging``, ``StochasticWeightAveraging``):
   the copy is made once, for the first layout, and no change can lay it out again.
 """
@@ -45,12 +49,29 @@ class NotElasticError(ValueError):
     """A script that a change of world or layout could not carry on: refused when ``fit`` starts."""
 
 
-def check_fit_start(trainer: pl.Trainer, module: pl.LightningModule, kept: frozenset[str]) -> None:
+def check_fit_start(trainer: pl.Trainer, module: pl.LightningModule, kept: frozenset[str], *,
+                    stages_later: bool = False) -> None:
     """Refuse, with what to do instead, what a change would refuse (see the module docstring); ``kept`` are the
-    children built outside ``configure_model``."""
+    children built outside ``configure_model``; ``stages_later``: a later layout may have pipeline stages."""
     _check_kept_state(module, kept)
+    if stages_later:
+        _check_can_be_staged(module)
     _check_optimization(module)
+    _check_epoch_limit(trainer)
     probe_optimizer(trainer.optimizers[0])
+
+
+def _check_epoch_limit(trainer: pl.Trainer) -> None:
+    # Lightning counts the limit in each process's batches (micro-batches here), whose number per global batch
+    # changes with the world: an epoch cut so would change length at every change of world, or end in the middle of
+    # a global batch (Lightning then steps on part of one).
+    limit = trainer.limit_train_batches
+    if limit != 1.0:
+        raise NotElasticError(
+            f"Trainer(limit_train_batches={limit!r}) (or overfit_batches) counts each process's batches, and a change "
+            "of world changes how many of them make a global batch; train on a smaller dataset instead (e.g. "
+            "torch.utils.data.Subset) or stop by max_steps"
+        )
 
 
 def _check_kept_state(module: torch.nn.Module, kept: frozenset[str]) -> None:
@@ -72,6 +93,23 @@ def _check_kept_state(module: torch.nn.Module, kept: frozenset[str]) -> None:
             "reduces their gradients, so each process would train its own copy (under ModelParallelStrategy too). "
             "Build them inside the model that configure_model parallelizes, or freeze them (requires_grad=False)"
         )
+
+
+def _check_can_be_staged(module: torch.nn.Module) -> None:
+    # What a cut into stages checks on its own, checked now while the model is whole (the cut itself tries every
+    # stage's keep_stage on a meta copy before any state moves).
+    from lightning_emig.models.base import declares_blocks
+    from lightning_emig.parallelize.pipeline import check_ties_stay_in_a_block
+
+    model = next((m for m in module.modules() if declares_blocks(m)), None)
+    if model is None or not callable(getattr(model, "keep_stage", None)):
+        raise NotElasticError(
+            "a later layout has pipeline stages (pp > 1), but no model in the module declares blocks() and "
+            "keep_stage(blocks, first=, last=): give the model configure_model builds those methods (see "
+            "lightning_emig.parallelize.pipeline), or keep pp=1 in the layouts, the schedule and the picker"
+        )
+    if getattr(model, "pipeline_split", None) is None:  # a model already cut was checked by its cut
+        check_ties_stay_in_a_block(model, 2)
 
 
 def _check_optimization(module: pl.LightningModule) -> None:
