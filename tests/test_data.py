@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import pickle
+import random
 import sysconfig
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, get_worker_info
 
 from lightning_emig.data import (
@@ -383,7 +387,7 @@ def _mark_worker(worker_id: int) -> None:
 
 class _Probe(torch.utils.data.Dataset):
     """Sample ``i`` says which process read it: its worker id (-1: the training process), that process's pid and torch
-    seed, and the mark a ``worker_init_fn`` left there."""
+    seed, the seed torch gave the worker, a draw from its ``random``, and the mark a ``worker_init_fn`` left there."""
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -394,7 +398,8 @@ class _Probe(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, Any]:
         info = get_worker_info()
         return {"x": torch.full((3,), i), "worker": -1 if info is None else info.id, "pid": os.getpid(),
-                "seed": torch.initial_seed() if info is not None else -1, "mark": _WORKER_MARK}
+                "seed": str(torch.initial_seed() if info is not None else -1), "mark": _WORKER_MARK,  # up to 2**64
+                "worker_seed": -1 if info is None else info.seed, "draw": -1.0 if info is None else random.random()}
 
 
 PROBE_SIZE, PROBE_BATCH, PROBE_MICRO, PROBE_SEED = 36, 8, 2, 3  # 4 steps per epoch, 4 samples dropped (drop_last)
@@ -523,7 +528,7 @@ def test_reading_leaves_the_training_rng_alone_and_seeds_workers_from_the_positi
 
     def worker_seeds() -> set[int]:
         rng = torch.get_rng_state()
-        seeds = {s for batch in take(iter(stream), 4) for s in batch["seed"].tolist()}
+        seeds = {s for batch in take(iter(stream), 4) for s in batch["seed"]}
         assert torch.equal(torch.get_rng_state(), rng)
         return seeds
 
@@ -533,3 +538,84 @@ def test_reading_leaves_the_training_rng_alone_and_seeds_workers_from_the_positi
         assert len(at_start) == 2
         stream.commit_step()
         assert worker_seeds().isdisjoint(at_start)
+
+
+# ---------------------------------------------------------------------------------------------- Lightning's seeding
+# seed_everything(seed, workers=True) makes Lightning give a loader without a worker_init_fn its
+# pl_worker_init_function, bound to the global rank. Lightning adds it to the loader the strategy returns (the adopted
+# one, without workers); the reader gives it to its own workers, with the rank the process has when they start.
+
+
+def seed_workers_as_seed_everything_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PL_SEED_WORKERS`` as Lightning's ``seed_everything(workers=True)`` sets it; the environment is restored after
+    the test, the global RNGs it seeded at once."""
+    from lightning.fabric.utilities.seed import seed_everything
+
+    for name in ("PL_SEED_WORKERS", "PL_GLOBAL_SEED"):
+        monkeypatch.delenv(name, raising=False)  # restored (or removed) after the test
+    with _rngs_kept():
+        seed_everything(0, workers=True)
+    assert os.environ["PL_SEED_WORKERS"] == "1"
+
+
+@contextlib.contextmanager
+def _rngs_kept() -> Iterator[None]:
+    """The global ``torch``, ``random`` and ``numpy`` RNGs, after the block, as they were before it."""
+    states = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(states[0])
+        random.setstate(states[1])
+        np.random.set_state(states[2])
+
+
+def lightnings_worker_seeding(worker_seed: int, worker_id: int, rank: int) -> tuple[int, float]:
+    """What a worker that torch seeded with ``worker_seed`` holds after Lightning's ``worker_init_fn`` for ``rank``:
+    its torch seed and its first ``random`` draw."""
+    from lightning.fabric.utilities.seed import pl_worker_init_function
+
+    with _rngs_kept():
+        torch.manual_seed(worker_seed)  # as torch seeds a worker
+        pl_worker_init_function(worker_id, rank=rank)
+        return torch.initial_seed(), random.random()
+
+
+def first_draws(stream: MicroBatchStream) -> dict[int, tuple[int, int, float]]:
+    """Each worker's seed from torch, its torch seed after its ``worker_init_fn`` and its first ``random`` draw (from
+    the first batch it read, one step)."""
+    draws: dict[int, tuple[int, int, float]] = {}
+    for batch in take(iter(stream), 4):
+        draws.setdefault(int(batch["worker"][0]), (int(batch["worker_seed"][0]), int(batch["seed"][0]),
+                                                   float(batch["draw"][0])))
+    return draws
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent_workers"])
+def test_under_seed_everything_workers_are_seeded_as_lightning_seeds_them(monkeypatch: pytest.MonkeyPatch,
+                                                                        persistent: bool) -> None:
+    """The adopted loader's workers run Lightning's own ``pl_worker_init_function``, for the process's global rank when
+    they start: after a change of world that made this process rank 1, its workers (persistent ones too) are new and
+    seeded for rank 1. Without a process group the rank is Lightning's ``rank_zero_only.rank``."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    assert not dist.is_initialized()
+    seed_workers_as_seed_everything_does(monkeypatch)
+    stream = adopted(2, persistent_workers=persistent).stream  # the user's loader has no worker_init_fn
+    stream.set_topology(1, 0)
+    for rank in (3, 1):
+        monkeypatch.setattr(rank_zero_only, "rank", rank)
+        draws = first_draws(stream)
+        assert sorted(draws) == [0, 1]
+        for worker, (worker_seed, seed, draw) in draws.items():
+            assert (seed, draw) == lightnings_worker_seeding(worker_seed, worker, rank), (rank, worker)
+        assert len(multiprocessing.active_children()) == (2 if persistent else 0)  # those of another rank stopped
+
+
+def test_under_seed_everything_a_users_worker_init_fn_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As Lightning does: only a loader without one gets Lightning's."""
+    seed_workers_as_seed_everything_does(monkeypatch)
+    stream = adopted(2, worker_init_fn=_mark_worker).stream
+    stream.set_topology(1, 0)
+    batch = next(iter(stream))
+    assert batch["mark"].tolist() == [100, 100] and batch["seed"] == [str(s) for s in batch["worker_seed"].tolist()]

@@ -10,6 +10,9 @@ one, is fitted on 2 processes three times (every shape in one launch each):
 * ``changed``: the same, with a ``LayoutSchedule`` change to ``tp=2`` after step 4 (data-parallel degree 2 -> 1,
   accumulation 2 -> 4), in the middle of the first epoch.
 
+The processes of the runs may start their own (the ``workers`` shape's ``DataLoader`` workers): the harness ends them
+with the run.
+
 Each shape is checked against the reference: the loss of every step, the learning rate of every step (epoch-interval
 schedulers), epochs completed and epoch-end hooks, validation runs and which validation samples each process read
 (every sample once per evaluation; tensor-parallel peers read the same ones), frozen parameters, and the final
@@ -19,17 +22,20 @@ global-offset sampler then put the same samples in every global batch.
 
 from __future__ import annotations
 
+import random
 import re
 from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.fabric.utilities.seed import pl_worker_init_function
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from lightning_emig import HybridLayout
 from lightning_emig.parallelize import materialize_and_init, materialize_empty, parallelize_model
@@ -43,8 +49,11 @@ SAMPLES, VAL_SAMPLES, GLOBAL_BATCH, MICRO_BATCH = 64, 16, 8, 2
 STEPS = 12  # one and a half epochs of 8 steps
 CHANGE_AFTER = 4
 SHAPES = ("plain", "epoch_scheduler", "validation", "frozen_in_hook", "blocks_container", "clip_partial_tp",
-          "param_groups", "root_buffer", "init_children")
-"""The user shapes: what each row's module does differently from ``plain`` is in :class:`UserModule`."""
+          "param_groups", "root_buffer", "init_children", "workers")
+"""The user shapes: what each row's module does differently from ``plain`` is in :class:`UserModule`, or, for
+``workers``, in its training ``DataLoader``: :data:`WORKERS` persistent worker processes seeded by Lightning
+(``seed_everything(workers=True)``)."""
+WORKERS = 2
 REFUSED = {
     # Lightning's own refusal (several optimizers need manual optimization, which is refused here):
     "two_optimizers": r"^RuntimeError: Training with multiple optimizers is only supported with manual optimization",
@@ -53,6 +62,9 @@ REFUSED = {
     "root_parameter": r"trainable parameter\(s\) \['scale'\] are not in the model configure_model builds",
     "model_built_in_init": r"net\.inp\.weight was made a DTensor by configure_model, but net was built before it",
     "unsupported_optimizer": r"Adafactor cannot be migrated: optimizer state .*row_var has shape",
+    "limit_train_batches": r"Trainer\(limit_train_batches=0\.5\) \(or overfit_batches\) counts each process's batches",
+    # a LayoutSchedule going to pp=2 later, for a model that declares no stages:
+    "stages_later_undeclared": r"a later layout has pipeline stages \(pp > 1\), but no model in the module declares",
     # Lightning's own (ModelParallelStrategy's) refusal:
     "no_configure_model": r"^TypeError: When using the ElasticMigrationStrategy, you are required to override the "
                           r"`configure_model\(\)` hook",
@@ -73,6 +85,22 @@ class Features(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         return self.x[i], self.y[i], i
+
+
+class ReadByWorkers(Features):
+    """``Features`` plus how the worker that read a sample was seeded: its id, its seed from torch, its torch seed after
+    its ``worker_init_fn`` (64 bits: as text) and a draw from its ``random``."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int, str]:
+        info = get_worker_info()
+        assert info is not None, "read in the training process"
+        return *super().__getitem__(i), f"{info.id} {info.seed} {torch.initial_seed()} {random.random()!r}"
+
+
+def train_loader(shape: str) -> DataLoader:
+    if shape == "workers":
+        return DataLoader(ReadByWorkers(SAMPLES), batch_size=MICRO_BATCH, num_workers=WORKERS, persistent_workers=True)
+    return DataLoader(Features(SAMPLES), batch_size=MICRO_BATCH)
 
 
 class Block(nn.Module):
@@ -118,6 +146,7 @@ class UserModule(pl.LightningModule):
         self.epoch_ends = 0
         self.val_runs = 0
         self.val_samples: list[list[int]] = []
+        self.worker_seeding: dict[int, tuple[int, int, float]] = {}
         self._micro: list[torch.Tensor] = []
         if shape == "root_buffer":  # state on the LightningModule itself (a temperature, CLIP's logit scale)
             self.register_buffer("temperature", torch.ones(()))
@@ -161,7 +190,11 @@ class UserModule(pl.LightningModule):
             self.net.inp.requires_grad_(False)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y, _ = batch
+        x, y = batch[0], batch[1]
+        if self.shape == "workers":  # each worker's first sample: its first draw
+            for seeding in batch[3]:
+                worker, worker_seed, seed, draw = seeding.split()
+                self.worker_seeding.setdefault(int(worker), (int(worker_seed), int(seed), float(draw)))
         out = self.net(x)
         if self.shape == "init_children":
             loss = self.criterion(out, y + 0.1 * self.teacher(x).squeeze(-1))
@@ -267,13 +300,15 @@ def _fit_every_shape(rank: int, world: int, mode: str, root: str) -> dict[str, A
             accumulate_grad_batches=accumulate, num_sanity_val_steps=0,
             gradient_clip_val=0.5 if shape == "clip_partial_tp" else None, default_root_dir=f"{root}/{mode}/{shape}",
         )
-        pl.seed_everything(0)  # before the module: a child built in __init__ draws its initial values
+        # Before the module: a child built in __init__ draws its initial values.
+        pl.seed_everything(0, workers=shape == "workers")
         module = UserModule(shape)
         val = DataLoader(Features(VAL_SAMPLES, offset=1), batch_size=MICRO_BATCH) if shape == "validation" else None
-        trainer.fit(module, DataLoader(Features(SAMPLES), batch_size=MICRO_BATCH), val)
+        trainer.fit(module, train_loader(shape), val)
         results[shape] = {
             "losses": module.step_losses, "lrs": module.lrs, "epoch": trainer.current_epoch,
             "epoch_ends": module.epoch_ends, "val_runs": module.val_runs, "val_samples": module.val_samples,
+            "worker_seeding": module.worker_seeding,
             "params": {n: _full(p) for n, p in module.named_parameters()} | {
                 n: _full(b) for n, b in module.named_buffers() if n == "temperature"},
         }
@@ -291,7 +326,9 @@ def _refusal(shape: str, world: int, root_dir: str) -> str:
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=root_dir,
-        callbacks=[EMAWeightAveraging()] if shape == "weight_averaging" else [],
+        callbacks=[EMAWeightAveraging()] if shape == "weight_averaging" else
+        [LayoutSchedule([(1, HybridLayout(pp=2))])] if shape == "stages_later_undeclared" else [],
+        limit_train_batches=0.5 if shape == "limit_train_batches" else 1.0,
     )
     module = NoConfigureModel() if shape == "no_configure_model" else UserModule(shape)
     try:
@@ -339,6 +376,31 @@ def test_a_part_frozen_after_building_stays_frozen_through_a_change(runs: dict[s
     trained = torch.tensor(runs["reference"][0]["plain"]["params"]["net.inp.weight"])
     assert torch.equal(frozen[0], frozen[1]) and torch.equal(frozen[0], frozen[2])
     assert not torch.allclose(frozen[0], trained), "the plain run trains the layer the frozen run holds still"
+
+
+def test_workers_are_seeded_by_lightning_for_their_processs_rank_under_every_layout(runs: dict[str, Any]) -> None:
+    """``seed_everything(workers=True)``: Lightning's ``pl_worker_init_function``, bound to the process's global rank,
+    seeds the reference's workers and the adopted loader's alike."""
+    for mode in ("reference", "elastic", "changed"):
+        for rank, result in enumerate(runs[mode]):
+            seeding = result["workers"]["worker_seeding"]
+            assert sorted(seeding) == list(range(WORKERS)), (mode, rank)
+            for worker, (worker_seed, seed, draw) in seeding.items():
+                assert (seed, draw) == lightnings_worker_seeding(worker_seed, worker, rank), (mode, rank, worker)
+
+
+def lightnings_worker_seeding(worker_seed: int, worker_id: int, rank: int) -> tuple[int, float]:
+    """What a worker that torch seeded with ``worker_seed`` holds after Lightning's ``worker_init_fn`` for ``rank``:
+    its torch seed and its first ``random`` draw (this process's RNGs are left as they were)."""
+    states = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(worker_seed)  # as torch seeds a worker
+            pl_worker_init_function(worker_id, rank=rank)
+            return torch.initial_seed(), random.random()
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
 
 
 def test_every_validation_sample_is_read_once_per_evaluation_under_every_layout(runs: dict[str, Any]) -> None:

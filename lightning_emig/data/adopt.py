@@ -26,8 +26,10 @@ How the samples are read is the loader's own: ``num_workers``, ``prefetch_factor
 order, ahead of training; the position stays in the training process and moves only when an optimizer step commits
 it (never for a batch the workers or Lightning read ahead), so a change or a restart continues at the exact global
 offset. The workers' seeds come from the data order's seed, the offset an iterator starts at and the initial seed of
-the loader's ``generator`` (which orders nothing here). ``in_order=False`` is refused: batches out of order would break
-the position.
+the loader's ``generator`` (which orders nothing here). Lightning's ``seed_everything(workers=True)`` reaches them: a
+loader without a ``worker_init_fn`` gets Lightning's ``pl_worker_init_function``, as under ``ModelParallelStrategy``,
+with the process's global rank when the workers start (Lightning itself adds it only to the adopted loader, which has
+no workers). ``in_order=False`` is refused: batches out of order would break the position.
 """
 
 from __future__ import annotations

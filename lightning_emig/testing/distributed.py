@@ -2,9 +2,15 @@
 
 One harness for every multi-process test: gloo on CPU, NCCL when ``backend="nccl"`` and GPUs exist. Each
 worker initialises the default group with an explicit timeout, runs ``fn(rank, world_size, *args)``, and sends
-back its return value (which must pickle). The parent waits with a deadline, kills every worker by pid when it
-passes, and re-raises the first worker failure with that worker's traceback, so a hung collective is a test
-failure, never a hung suite.
+back its return value (which must pickle). The parent waits with a deadline and re-raises the first worker failure
+with that worker's traceback, so a hung collective is a test failure, never a hung suite.
+
+No orphans: a worker may start processes of its own (a ``DataLoader``'s workers), so it is not daemonic (a daemonic
+process may not have children). Each worker leads a process group of its own, which what it starts joins; however
+the call ends (results in, a failure, a death, the deadline, an exception in the caller) the parent SIGKILLs every
+worker's whole group and returns only when none of its processes is left. If the caller itself is killed, its fork
+server exits and the kernel kills the workers (``PR_SET_PDEATHSIG``); their ``DataLoader`` workers then exit on
+their own (torch's workers watch their parent).
 
 Workers are forked from a fork server that imported torch, Lightning and this package once per test session
 (:data:`PRELOADED`): a spawned interpreter spends about 8 s of CPU importing them, which on two cores was most
@@ -15,13 +21,19 @@ is handed the caller's explicitly (multiprocessing already gives it the caller's
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
+import signal
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
+
+from lightning_emig.launcher.orphans import die_with_parent
 
 PRELOADED = (
     "torch", "torch.distributed.fsdp", "torch.distributed.tensor", "lightning.pytorch",
@@ -84,6 +96,11 @@ def _worker(
     results: Any,
     environ: dict[str, str],
 ) -> None:
+    os.setpgid(0, 0)  # first, before it starts anything: the parent kills this group, children included
+    die_with_parent()
+    # Its processes (a DataLoader's workers) start as in a process torchrun started: the interpreter's default (fork on
+    # Linux), not the harness's fork server, which multiprocessing made this process's default.
+    mp.set_start_method(None, force=True)
     import torch
     import torch.distributed as dist
 
@@ -132,19 +149,59 @@ def run_distributed(
         ctx.Process(
             target=_worker,
             args=(rank, world_size, port, backend, pg_timeout_s, fn, args, results, dict(os.environ)),
-            daemon=True,
+            daemon=False,  # a DataLoader's workers are its children; _stop_groups ends them
         )
         for rank in range(world_size)
     ]
-    for proc in procs:
-        proc.start()
     try:
-        return _collect(procs, results, world_size, timeout_s)
+        for proc in procs:
+            proc.start()
+        values = _collect(procs, results, world_size, timeout_s)
+        for proc in procs:  # they have reported: let them end their children themselves (then nothing is killed)
+            proc.join(timeout=EXIT_GRACE_S)
+        return values
     finally:
+        _kill_groups([proc for proc in procs if proc.pid is not None])
+
+
+EXIT_GRACE_S = 10.0
+"""How long a worker is given to exit once it has reported, and its group to be gone once killed."""
+
+
+def _kill_groups(procs: list[Any]) -> None:
+    """SIGKILL each worker's process group (the worker and whatever it started) until none of their processes runs,
+    and reap the workers.
+
+    A worker that already exited may have left children behind (a rank that raised while its ``DataLoader`` workers
+    ran): its group outlives it as long as they do, so it is killed all the same. A worker that had not made its
+    group yet is killed by pid; the signal is repeated until nothing runs, in case it made its group meanwhile."""
+    deadline = time.monotonic() + EXIT_GRACE_S
+    while True:
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
-            proc.join(timeout=10)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        if not (left := [pid for proc in procs for pid in _running_members(proc.pid)]):
+            break
+        if time.monotonic() > deadline:
+            raise WorkerFailed(f"processes {left} of the workers' groups outlived SIGKILL for {EXIT_GRACE_S:.0f}s")
+        time.sleep(0.01)
+    for proc in procs:
+        proc.join(timeout=EXIT_GRACE_S)
+
+
+def _running_members(pgid: int) -> list[int]:
+    """The processes of group ``pgid`` that still run (not zombies: those hold nothing, and their reaper, an orphan's
+    init, may take a second or two). Linux's ``/proc``; elsewhere none are seen."""
+    running = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            text = stat.read_text()
+            state, _parent, group = text[text.rindex(")") + 2:].split()[:3]
+            if int(group) == pgid and state != "Z":
+                running.append(int(stat.parent.name))
+    return running
 
 
 def _context(backend: str) -> Any:
@@ -161,7 +218,6 @@ def _context(backend: str) -> Any:
 
 def _collect(procs: list[Any], results: Any, world_size: int, timeout_s: float) -> list[Any]:
     import queue
-    import time
 
     deadline = time.monotonic() + timeout_s
     values: dict[int, Any] = {}
