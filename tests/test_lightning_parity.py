@@ -49,7 +49,7 @@ SAMPLES, VAL_SAMPLES, GLOBAL_BATCH, MICRO_BATCH = 64, 16, 8, 2
 STEPS = 12  # one and a half epochs of 8 steps
 CHANGE_AFTER = 4
 SHAPES = ("plain", "epoch_scheduler", "validation", "frozen_in_hook", "blocks_container", "clip_partial_tp",
-          "param_groups", "root_buffer", "init_children", "workers")
+          "param_groups", "root_buffer", "init_children", "workers", "tied")
 """The user shapes: what each row's module does differently from ``plain`` is in :class:`UserModule`, or, for
 ``workers``, in its training ``DataLoader``: :data:`WORKERS` persistent worker processes seeded by Lightning
 (``seed_everything(workers=True)``)."""
@@ -115,15 +115,21 @@ class Block(nn.Module):
 class Net(nn.Module):
     """Blocks under ``layers`` (or, for the ``blocks_container`` shape, under timm's and GPT codes' ``blocks``)."""
 
-    def __init__(self, container: str) -> None:
+    def __init__(self, container: str, tied: bool = False) -> None:
         super().__init__()
         self.inp = nn.Linear(8, 16)
         self.container = container
         setattr(self, container, nn.ModuleList(Block() for _ in range(2)))
         self.head = nn.Linear(16, 1)
+        self.tied = tied
+        if tied:  # one weight under two names (as an embedding tied to its output head), outside the blocks
+            self.mix_in, self.mix_out = nn.Linear(16, 16, bias=False), nn.Linear(16, 16, bias=False)
+            self.mix_out.weight = self.mix_in.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.inp(x)
+        if self.tied:
+            x = x + self.mix_out(torch.tanh(self.mix_in(x)))
         for block in getattr(self, self.container):
             x = block(x)
         return self.head(x).squeeze(-1)
@@ -167,7 +173,7 @@ class UserModule(pl.LightningModule):
             return
         else:
             with torch.device("meta"):
-                net = Net("blocks" if self.shape == "blocks_container" else "layers")
+                net = Net("blocks" if self.shape == "blocks_container" else "layers", tied=self.shape == "tied")
         strategy: Any = self.trainer.strategy
         if isinstance(strategy, ElasticMigrationStrategy):
             parallelize_model(net, strategy.layout_mesh, tp_plan=TP_PLAN)
@@ -308,6 +314,7 @@ def _fit_every_shape(rank: int, world: int, mode: str, root: str) -> dict[str, A
         results[shape] = {
             "losses": module.step_losses, "lrs": module.lrs, "epoch": trainer.current_epoch,
             "epoch_ends": module.epoch_ends, "val_runs": module.val_runs, "val_samples": module.val_samples,
+            "tie_kept": shape != "tied" or module.net.mix_out.weight is module.net.mix_in.weight,
             "worker_seeding": module.worker_seeding,
             "params": {n: _full(p) for n, p in module.named_parameters()} | {
                 n: _full(b) for n, b in module.named_buffers() if n == "temperature"},
@@ -351,6 +358,7 @@ def test_a_user_shape_trains_as_under_lightnings_own_strategy(runs: dict[str, An
     reference, run = runs["reference"][0][shape], runs[mode][0][shape]
     assert run["lrs"] == reference["lrs"], "learning rate per step (epoch-interval schedulers included)"
     assert (run["epoch"], run["epoch_ends"]) == (reference["epoch"], reference["epoch_ends"])
+    assert run["tie_kept"] and reference["tie_kept"], "the tied weight became two tensors"
     steps = sorted(reference["losses"])
     assert sorted(run["losses"]) == steps == list(range(STEPS))
     for step in steps:

@@ -169,3 +169,19 @@ def test_initial_statistics() -> None:
     assert params["output.weight"].std().item() == pytest.approx(0.02, rel=0.05)
     residual_std = 0.02 / math.sqrt(2 * TINY.n_layers)
     assert params["layers.0.feed_forward.w2.weight"].std().item() == pytest.approx(residual_std, rel=0.05)
+
+
+def test_materializing_keeps_tied_weights_one_parameter() -> None:
+    """``to_empty`` replaces each module's parameters on its own: a weight tied under two names would come back as
+    two tensors, trained apart. Both materializers keep it one."""
+    from torch import nn
+
+    from lightning_emig.parallelize.init import materialize_and_init, materialize_empty
+
+    for materialize in (lambda m: materialize_and_init(m, "cpu", seed=0, init_parameter=lambda n, full, g: full.zero_()),
+                        lambda m: materialize_empty(m, "cpu")):
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 5, bias=False))
+        model[1].weight = model[0].weight
+        materialize(model)
+        assert model[1].weight is model[0].weight and not model[0].weight.is_meta

@@ -88,7 +88,7 @@ def materialize_and_init(
     from torch.distributed.tensor import DTensor
 
     init = init_parameter or _model_hook(model, "init_full_parameter")
-    model.to_empty(device=device)
+    to_empty_keeping_ties(model, device)
     with torch.no_grad():
         for name, param in model.named_parameters():
             full = full_initial_value(init, name, param.shape, seed).to(param.dtype)
@@ -113,9 +113,26 @@ def materialize_empty(model: nn.Module, device: torch.device | str, *,
     if _deferral.calls is not None:
         _deferral.calls.append(functools.partial(materialize_empty, model, device, init_buffers=init_buffers))
         return
-    model.to_empty(device=device)
+    to_empty_keeping_ties(model, device)
     with torch.no_grad():
         _fill_buffers(model, init_buffers)
+
+
+def to_empty_keeping_ties(model: nn.Module, device: torch.device | str) -> None:
+    """``model.to_empty(device)``, with tied weights still one parameter: ``to_empty`` replaces each module's
+    parameters on its own, so a parameter registered under two names (an embedding tied to the output head) would
+    come back as two tensors, trained apart (and moved as two by a change)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    model.to_empty(device=device)
+    for tied in (group for group in names.values() if len(group) > 1):
+        kept = model.get_parameter(tied[0])
+        for name in tied[1:]:
+            owner, _, attribute = name.rpartition(".")
+            module = model.get_submodule(owner)
+            if getattr(module, attribute) is not kept:
+                setattr(module, attribute, kept)
 
 
 class _Deferral(threading.local):
