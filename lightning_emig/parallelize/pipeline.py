@@ -70,13 +70,12 @@ def check_ties_stay_in_a_block(model: nn.Module, pp: int) -> None:
     parameter registered under two names (an embedding tied to the output projection) is one tensor only while both
     names are in one block, which one stage holds whole. Cut apart, each stage would train its own copy."""
     from lightning_emig.layout import LayoutError
-    from lightning_emig.models.base import blocks_of
+    from lightning_emig.models.base import blocks_of, module_paths
 
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
-    block_names = {id(m): name for name, m in model.named_modules()}
-    prefixes = [block_names[id(b)] + "." for b in blocks_of(model)]
+    prefixes = [path + "." for path in module_paths(model, blocks_of(model), "blocks")]
 
     def block_holding(name: str) -> str | None:
         return next((prefix for prefix in prefixes if name.startswith(prefix)), None)
