@@ -78,3 +78,12 @@ def module_paths(model: nn.Module, modules: list[nn.Module], what: str) -> tuple
     if missing:
         raise ValueError(f"{type(model).__name__}.{what}() returned modules that are not submodules of it: {missing}")
     return tuple(paths[id(module)] for module in modules)
+
+
+def tied_parameter_names(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter registered under more than one name in ``model`` (tied weights), in registration
+    order."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]

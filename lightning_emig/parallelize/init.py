@@ -122,11 +122,11 @@ def to_empty_keeping_ties(model: nn.Module, device: torch.device | str) -> None:
     """``model.to_empty(device)``, with tied weights still one parameter: ``to_empty`` replaces each module's
     parameters on its own, so a parameter registered under two names (an embedding tied to the output head) would
     come back as two tensors, trained apart (and moved as two by a change)."""
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
+    from lightning_emig.models.base import tied_parameter_names
+
+    ties = tied_parameter_names(model)
     model.to_empty(device=device)
-    for tied in (group for group in names.values() if len(group) > 1):
+    for tied in ties:
         kept = model.get_parameter(tied[0])
         for name in tied[1:]:
             owner, _, attribute = name.rpartition(".")

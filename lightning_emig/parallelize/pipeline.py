@@ -70,17 +70,14 @@ def check_ties_stay_in_a_block(model: nn.Module, pp: int) -> None:
     parameter registered under two names (an embedding tied to the output projection) is one tensor only while both
     names are in one block, which one stage holds whole. Cut apart, each stage would train its own copy."""
     from lightning_emig.layout import LayoutError
-    from lightning_emig.models.base import blocks_of, module_paths
+    from lightning_emig.models.base import blocks_of, module_paths, tied_parameter_names
 
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
     prefixes = [path + "." for path in module_paths(model, blocks_of(model), "blocks")]
 
     def block_holding(name: str) -> str | None:
         return next((prefix for prefix in prefixes if name.startswith(prefix)), None)
 
-    for tied in (group for group in names.values() if len(group) > 1):
+    for tied in tied_parameter_names(model):
         if block_holding(tied[0]) is None or any(block_holding(n) != block_holding(tied[0]) for n in tied[1:]):
             raise LayoutError(
                 f"pp={pp}: the tied parameters {tied} are one tensor, which pipeline stages would put on different "
