@@ -7,8 +7,9 @@ one, is fitted on 2 processes three times (every shape in one launch each):
 * ``reference``: Lightning's ``ModelParallelStrategy`` (FSDP2 over both processes, built with torch's own
   ``fully_shard``);
 * ``elastic``: ``ElasticMigrationStrategy(layout=dp_shard=2)``;
-* ``changed``: the same, with a ``LayoutSchedule`` change to ``tp=2`` after step 4 (data-parallel degree 2 -> 1,
-  accumulation 2 -> 4), in the middle of the first epoch.
+* ``changed``: the same, with ``LayoutSchedule`` changes to ``tp=2`` after step 4 (data-parallel degree 2 -> 1,
+  accumulation 2 -> 4), in the middle of the first epoch, and back to ``dp_shard=2`` after step 8, the first epoch's
+  last step (the change falls on the epoch boundary: between the last batch and the epoch's end and validation).
 
 The processes of the runs may start their own (the ``workers`` shape's ``DataLoader`` workers): the harness ends them
 with the run.
@@ -47,12 +48,13 @@ pytestmark = [pytest.mark.multiprocess]
 
 SAMPLES, VAL_SAMPLES, GLOBAL_BATCH, MICRO_BATCH = 64, 16, 8, 2
 STEPS = 12  # one and a half epochs of 8 steps
-CHANGE_AFTER = 4
+EPOCHS = 2  # the max_epochs shape's limit (no max_steps): 16 steps
+CHANGES = [(4, HybridLayout(dp_shard=1, tp=2)), (8, HybridLayout(dp_shard=2))]  # mid-epoch, then at the epoch's end
 SHAPES = ("plain", "epoch_scheduler", "validation", "frozen_in_hook", "blocks_container", "clip_partial_tp",
-          "param_groups", "root_buffer", "init_children", "workers", "tied")
+          "param_groups", "root_buffer", "init_children", "workers", "tied", "max_epochs")
 """The user shapes: what each row's module does differently from ``plain`` is in :class:`UserModule`, or, for
 ``workers``, in its training ``DataLoader``: :data:`WORKERS` persistent worker processes seeded by Lightning
-(``seed_everything(workers=True)``)."""
+(``seed_everything(workers=True)``); ``max_epochs`` stops by ``Trainer(max_epochs=...)`` alone."""
 WORKERS = 2
 REFUSED = {
     # Lightning's own refusal (several optimizers need manual optimization, which is refused here):
@@ -70,6 +72,11 @@ REFUSED = {
                           r"`configure_model\(\)` hook",
 }
 """Shapes refused when ``fit`` starts (before any step), with the message each gets."""
+REFUSED_AT_REQUEST = {
+    # strategy.reconfigure(pp=2) from a callback, for a model that declares no stages: refused in the call
+    "reconfigure_to_stages_undeclared": r"a later layout has pipeline stages \(pp > 1\), but no model in the module",
+}
+"""Requests refused when they are made, before anything changes (what ``fit`` cannot know when it starts)."""
 
 
 class Features(Dataset):
@@ -152,6 +159,7 @@ class UserModule(pl.LightningModule):
         self.epoch_ends = 0
         self.val_runs = 0
         self.val_samples: list[list[int]] = []
+        self.val_data_parallel: list[int] = []  # the data-parallel degree of each evaluation
         self.worker_seeding: dict[int, tuple[int, int, float]] = {}
         self._micro: list[torch.Tensor] = []
         if shape == "root_buffer":  # state on the LightningModule itself (a temperature, CLIP's logit scale)
@@ -226,6 +234,8 @@ class UserModule(pl.LightningModule):
         if not self.trainer.sanity_checking:
             self.val_runs += 1
             self.val_samples.append([])
+            layout = getattr(self.trainer.strategy, "layout", None)  # the reference's: FSDP over both processes
+            self.val_data_parallel.append(self.trainer.world_size // (layout.tp if layout is not None else 1))
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         if not self.trainer.sanity_checking:
@@ -266,6 +276,17 @@ class NoConfigureModel(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
+class ReconfigureAfterStep(pl.Callback):
+    """A user's own change, asked of the strategy after ``step`` (unknown when ``fit`` starts)."""
+
+    def __init__(self, step: int, layout: HybridLayout) -> None:
+        self.step, self.layout = step, layout
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.strategy.reconfigure(self.layout)
+
+
 class WeightedMSE(nn.Module):
     """A loss with state of its own (a weight per class of target: below or above zero), built in ``__init__`` as
     users build losses."""
@@ -299,11 +320,13 @@ def _fit_every_shape(rank: int, world: int, mode: str, root: str) -> dict[str, A
             accumulate = 1  # derived by the strategy
         callbacks: list[Any] = []
         if mode == "changed":
-            callbacks.append(LayoutSchedule([(CHANGE_AFTER, HybridLayout(dp_shard=1, tp=2))]))
+            callbacks.append(LayoutSchedule(CHANGES))
+        by_epochs = shape == "max_epochs"
         trainer = pl.Trainer(
-            accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, callbacks=callbacks, logger=False,
+            accelerator="cpu", devices=world, strategy=strategy, max_steps=-1 if by_epochs else STEPS,
+            max_epochs=EPOCHS if by_epochs else None, callbacks=callbacks, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            accumulate_grad_batches=accumulate, num_sanity_val_steps=0,
+            accumulate_grad_batches=accumulate, num_sanity_val_steps=0, val_check_interval=0.5,
             gradient_clip_val=0.5 if shape == "clip_partial_tp" else None, default_root_dir=f"{root}/{mode}/{shape}",
         )
         # Before the module: a child built in __init__ draws its initial values.
@@ -314,13 +337,15 @@ def _fit_every_shape(rank: int, world: int, mode: str, root: str) -> dict[str, A
         results[shape] = {
             "losses": module.step_losses, "lrs": module.lrs, "epoch": trainer.current_epoch,
             "epoch_ends": module.epoch_ends, "val_runs": module.val_runs, "val_samples": module.val_samples,
+            "val_data_parallel": module.val_data_parallel,
             "tie_kept": shape != "tied" or module.net.mix_out.weight is module.net.mix_in.weight,
             "worker_seeding": module.worker_seeding,
             "params": {n: _full(p) for n, p in module.named_parameters()} | {
                 n: _full(b) for n, b in module.named_buffers() if n == "temperature"},
         }
     if mode == "elastic":
-        results["refused"] = {shape: _refusal(shape, world, f"{root}/refused/{shape}") for shape in REFUSED}
+        results["refused"] = {shape: _refusal(shape, world, f"{root}/refused/{shape}")
+                              for shape in (*REFUSED, *REFUSED_AT_REQUEST)}
     return results
 
 
@@ -334,7 +359,8 @@ def _refusal(shape: str, world: int, root_dir: str) -> str:
         accelerator="cpu", devices=world, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=root_dir,
         callbacks=[EMAWeightAveraging()] if shape == "weight_averaging" else
-        [LayoutSchedule([(1, HybridLayout(pp=2))])] if shape == "stages_later_undeclared" else [],
+        [LayoutSchedule([(1, HybridLayout(pp=2))])] if shape == "stages_later_undeclared" else
+        [ReconfigureAfterStep(1, HybridLayout(pp=2))] if shape == "reconfigure_to_stages_undeclared" else [],
         limit_train_batches=0.5 if shape == "limit_train_batches" else 1.0,
     )
     module = NoConfigureModel() if shape == "no_configure_model" else UserModule(shape)
@@ -360,7 +386,8 @@ def test_a_user_shape_trains_as_under_lightnings_own_strategy(runs: dict[str, An
     assert (run["epoch"], run["epoch_ends"]) == (reference["epoch"], reference["epoch_ends"])
     assert run["tie_kept"] and reference["tie_kept"], "the tied weight became two tensors"
     steps = sorted(reference["losses"])
-    assert sorted(run["losses"]) == steps == list(range(STEPS))
+    assert sorted(run["losses"]) == steps == list(range(EPOCHS * SAMPLES // GLOBAL_BATCH if shape == "max_epochs"
+                                                         else STEPS))
     for step in steps:
         assert run["losses"][step] == pytest.approx(reference["losses"][step], rel=1e-4, abs=1e-6), step
     assert run["params"].keys() == reference["params"].keys()
@@ -376,6 +403,14 @@ def test_a_shape_a_change_could_not_carry_is_refused_when_fit_starts(runs: dict[
         assert refusal.startswith("NotElasticError: ") or REFUSED[shape].startswith("^"), refusal
         assert "(steps trained: 0)" in refusal
         assert re.search(REFUSED[shape], refusal), refusal
+
+
+@pytest.mark.parametrize("shape", sorted(REFUSED_AT_REQUEST))
+def test_a_change_that_could_not_be_carried_is_refused_when_it_is_asked_for(runs: dict[str, Any], shape: str) -> None:
+    for rank_result in runs["elastic"]:
+        refusal = rank_result["refused"][shape]
+        assert refusal.startswith("NotElasticError: ") and "(steps trained: 1)" in refusal, refusal
+        assert re.search(REFUSED_AT_REQUEST[shape], refusal), refusal
 
 
 def test_a_part_frozen_after_building_stays_frozen_through_a_change(runs: dict[str, Any]) -> None:
@@ -412,14 +447,21 @@ def lightnings_worker_seeding(worker_seed: int, worker_id: int, rank: int) -> tu
 
 
 def test_every_validation_sample_is_read_once_per_evaluation_under_every_layout(runs: dict[str, Any]) -> None:
+    """Validation every half epoch (steps 4, 8 and 12): in the changed run the first falls right after the change to
+    ``tp=2``, the second right after the change back at the epoch's end."""
+    reference_runs = runs["reference"][0]["validation"]["val_runs"]
+    assert reference_runs == 3
     for mode in ("reference", "elastic", "changed"):
         per_rank = [result["validation"] for result in runs[mode]]
-        assert per_rank[0]["val_runs"] == runs["reference"][0]["validation"]["val_runs"] == 1, mode
-        samples = [sorted(r["val_samples"][0]) for r in per_rank]
-        if mode == "changed":  # tensor-parallel peers (dp 1): both read every sample, the same ones
-            assert samples[0] == samples[1] == list(range(VAL_SAMPLES)), mode
-        else:  # two data-parallel ranks: each sample read by one of them
-            assert sorted(samples[0] + samples[1]) == list(range(VAL_SAMPLES)), mode
+        assert [r["val_runs"] for r in per_rank] == [reference_runs] * len(per_rank), mode
+        data_parallel = per_rank[0]["val_data_parallel"]
+        assert data_parallel == ([1, 2, 2] if mode == "changed" else [2, 2, 2]), mode
+        for evaluation, dp in enumerate(data_parallel):
+            samples = [sorted(r["val_samples"][evaluation]) for r in per_rank]
+            if dp == 1:  # tensor-parallel peers: both read every sample, the same ones
+                assert samples[0] == samples[1] == list(range(VAL_SAMPLES)), (mode, evaluation)
+            else:  # two data-parallel ranks: each sample read by one of them
+                assert sorted(samples[0] + samples[1]) == list(range(VAL_SAMPLES)), (mode, evaluation)
 
 
 class CheckpointProbe(pl.Callback):

@@ -78,7 +78,7 @@ from lightning_emig.strategy.boundary import (
 from lightning_emig.strategy.clipping import route_norm_clipping
 from lightning_emig.strategy.elastic_fit import ElasticFitLauncher, treat_step_as_saved
 from lightning_emig.strategy.events import publish_event
-from lightning_emig.strategy.fit_start import check_callbacks, check_fit_start
+from lightning_emig.strategy.fit_start import check_callbacks, check_can_be_staged, check_fit_start
 from lightning_emig.strategy.grad_sync import DeferGradSync, accumulating, check_defer_choice
 from lightning_emig.strategy.live_join import join_live
 from lightning_emig.strategy.pipeline import (
@@ -494,11 +494,6 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        if trainer.max_steps < 0:
-            raise ValueError(
-                "ElasticMigrationStrategy trains by optimizer steps (its data stream has no epoch end that survives "
-                "a change of world): set Trainer(max_steps=...)"
-            )
         check_rebuilt(self.lightning_module, self._dropped_children)
         self._dropped_children = []
         self._apply_gradient_accumulation(trainer)
@@ -517,13 +512,16 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         Called from a callback's ``on_train_batch_end`` right after a step, it happens at once; called elsewhere
         (mid-accumulation, from another hook), it is deferred to the end of the current step. Every rank must
         call it with the same layout. Parameters and optimizer state move point to point, bit for bit; the
-        global batch, the data position, the LR schedule and the step counter carry on.
+        global batch, the data position, the LR schedule and the step counter carry on. A layout with pipeline
+        stages for a model that declares none is refused here, before anything changes.
         """
         if isinstance(layout, dict):
             layout = HybridLayout(**layout)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training:
             raise RuntimeError("reconfigure(layout) works during Trainer.fit; change the layout argument instead")
+        if layout.pp > 1:
+            check_can_be_staged(self.lightning_module)
         self._pending_layout = layout
         if at_step_boundary(trainer):
             self.apply_pending_reconfigure(trainer)

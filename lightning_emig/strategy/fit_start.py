@@ -55,7 +55,7 @@ def check_fit_start(trainer: pl.Trainer, module: pl.LightningModule, kept: froze
     children built outside ``configure_model``; ``stages_later``: a later layout may have pipeline stages."""
     _check_kept_state(module, kept)
     if stages_later:
-        _check_can_be_staged(module)
+        check_can_be_staged(module)
     _check_optimization(module)
     _check_epoch_limit(trainer)
     probe_optimizer(trainer.optimizers[0])
@@ -95,9 +95,10 @@ def _check_kept_state(module: torch.nn.Module, kept: frozenset[str]) -> None:
         )
 
 
-def _check_can_be_staged(module: torch.nn.Module) -> None:
-    # What a cut into stages checks on its own, checked now while the model is whole (the cut itself tries every
-    # stage's keep_stage on a meta copy before any state moves).
+def check_can_be_staged(module: torch.nn.Module) -> None:
+    """Refuse a module whose model cannot be cut into pipeline stages: when ``fit`` starts for a layout the job is
+    told of, or when ``reconfigure`` is asked for one (the cut itself tries every stage's ``keep_stage`` on a meta
+    copy before any state moves, but by then a change has begun)."""
     from lightning_emig.models.base import declares_blocks
     from lightning_emig.parallelize.pipeline import check_ties_stay_in_a_block
 

@@ -1,7 +1,7 @@
-"""Lightning's TQDM progress bar counting optimizer steps (not micro-batches) towards ``max_steps``.
+"""Lightning's TQDM progress bar counting optimizer steps (not micro-batches) towards the end of the fit.
 
-The training stream is infinite and gradient accumulation turns several micro-batches into one step, so the
-stock bar's "batches of this epoch" has no total. Counting ``trainer.global_step`` also keeps the bar right
+Gradient accumulation turns several micro-batches into one step, and how many depends on the layout, so the stock
+bar's "batches of this epoch" changes its total at every change. Counting ``trainer.global_step`` also keeps the bar right
 when a run resumes from a checkpoint or changes its layout mid-run: it continues from the same step.
 
 While a migration is in progress the bar says so: :func:`show_migration` replaces its "step" description (for
@@ -10,6 +10,7 @@ example by ``migrating: reconfigure``) until the next optimizer step finishes.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning.pytorch as pl
@@ -35,7 +36,7 @@ class StepProgressBar(TQDMProgressBar):
         super().on_train_epoch_start(trainer)
         self._status_step = None
         bar = self.train_progress_bar
-        bar.reset(total=trainer.max_steps if trainer.max_steps > 0 else None)
+        bar.reset(total=_total_steps(trainer))
         bar.initial = 0
         bar.n = trainer.global_step
         bar.set_description("step")
@@ -61,3 +62,12 @@ def show_migration(trainer: pl.Trainer, text: str) -> None:
     for callback in trainer.callbacks:
         if isinstance(callback, StepProgressBar):
             callback.show_status(text, trainer.global_step)
+
+
+def _total_steps(trainer: pl.Trainer) -> int | None:
+    """The optimizer steps the fit will take: ``max_steps``, or what ``max_epochs`` of the loader make (an epoch has
+    the same number of global batches under every layout); none for an endless loader."""
+    if trainer.max_steps > 0:
+        return trainer.max_steps
+    total = trainer.estimated_stepping_batches
+    return int(total) if math.isfinite(total) else None
