@@ -125,6 +125,8 @@ def test_a_join_under_torchrun_restarts_workers_and_resumes_from_the_newest_chec
         ({"LIGHTNING_EMIG_GENERATION": "1"}, True),  # lightning-emig-run, torchrun's restart path
         ({"LIGHTNING_EMIG_GENERATION": "1", "LIGHTNING_EMIG_JOIN_LIVE": "1"}, False),  # a live join
         ({"LIGHTNING_EMIG_GENERATION": "0"}, False),
+        # restarted by its agent after a crash, into a generation whose holders kept running: a live join
+        ({"TORCHELASTIC_RESTART_COUNT": "1", "LIGHTNING_EMIG_GENERATION": "3", "LIGHTNING_EMIG_JOIN_LIVE": "1"}, False),
     ],
 )
 def test_a_restart_is_told_from_the_environment(env: dict[str, str], is_restart: bool) -> None:

@@ -49,8 +49,15 @@ class FoundCheckpoint:
 
 
 def restart_reason(env: Mapping[str, str] | None = None) -> str | None:
-    """Why this start is a restart of a running job (None: a first start, or a live join)."""
+    """Why this start is a restart of a running job (None: a first start, or a live join).
+
+    A worker started into a generation whose other workers kept running joins them live (it receives their state),
+    even when its agent started it through torchrun's restart after a crash (``TORCHELASTIC_RESTART_COUNT > 0``):
+    every worker of a generation starts from the same state at the same step, so that worker must not also resume
+    from a checkpoint (nor record a restart event beside the generation's join)."""
     env = os.environ if env is None else env
+    if env.get("LIGHTNING_EMIG_JOIN_LIVE", "0") == "1":
+        return None
     restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     if restarts > 0:
         return f"torchrun restart #{restarts} (TORCHELASTIC_RESTART_COUNT)"
