@@ -38,6 +38,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
 from lightning_emig.collector import freeze_what_exists, release_frozen
+from lightning_emig.consistency import check_same_state
 from lightning_emig.data.adopt import USE_INSTEAD, DataLoaderNotElasticError, adopt_dataloader
 from lightning_emig.data.batching import BatchPlan
 from lightning_emig.data.loader import MicroBatchLoader
@@ -76,6 +77,7 @@ from lightning_emig.strategy.boundary import (
     restart_training_iterator,
 )
 from lightning_emig.strategy.clipping import route_norm_clipping
+from lightning_emig.strategy.consistency import ConsistencyGuard, prove
 from lightning_emig.strategy.elastic_fit import ElasticFitLauncher, treat_step_as_saved
 from lightning_emig.strategy.events import publish_event
 from lightning_emig.strategy.fit_start import check_callbacks, check_can_be_staged, check_fit_start
@@ -138,6 +140,10 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             all-reduce across HSDP replicas; no extra memory), ``"all"`` (the reduce-scatter too: unsharded
             gradients held meanwhile) or ``"none"`` (reduce after every micro-batch, as Lightning's
             ``ModelParallelStrategy``); see :mod:`lightning_emig.strategy.grad_sync`.
+        consistency_every_n_steps: Every this many optimizer steps the ranks prove they hold one state (same step,
+            data offset, layout and generation; replicas equal); they also prove it when every fit starts, around
+            every change and at every checkpoint save, whatever this is (0: only then). See
+            :mod:`lightning_emig.strategy.consistency`.
     """
 
     def __init__(
@@ -156,6 +162,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         picker: LayoutPicker | None = None,
         pipeline_schedule: str = "gpipe",
         defer_grad_sync: DeferGradSync = "replicas",
+        consistency_every_n_steps: int = 100,
     ) -> None:
         super().__init__(
             data_parallel_size=1,
@@ -170,6 +177,9 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.seed = seed
+        if consistency_every_n_steps < 0:
+            raise ValueError(f"consistency_every_n_steps must be >= 0, got {consistency_every_n_steps}")
+        self.consistency_every_n_steps = consistency_every_n_steps
         self._layout_mesh: LayoutMesh | None = None
         self._batch_plan: BatchPlan | None = None
         self._loaders: list[MicroBatchLoader] = []
@@ -571,7 +581,9 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             log.warning("layout change to %s skipped: a membership change is handing the state over", layout.describe())
             return
         self.last_boundary = None  # its tensors are released by the change; the next boundary captures anew
+        before = prove(trainer, "before a layout change")
         event = reconfigure_live(self, trainer, layout)
+        check_same_state(before, prove(trainer, "after a layout change"), what="the layout change")
         if event is not None:
             self.record_event(trainer, event)
 
@@ -934,7 +946,7 @@ def _add_callbacks(trainer: pl.Trainer) -> None:
     to be one before a periodic save would fall on it."""
     from lightning.pytorch.callbacks import Checkpoint
 
-    wanted: list[Any] = [StepBoundaryHook()]
+    wanted: list[Any] = [StepBoundaryHook(), ConsistencyGuard()]
     if under_launcher():
         wanted.append(RendezvousCallback())
     for callback in wanted:

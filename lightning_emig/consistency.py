@@ -1,0 +1,106 @@
+"""One state per generation, proven: every rank at the same step, data offset, layout and generation, every replica
+holding the same values, and the state equal to the one it came from.
+
+A :class:`StateProof` is what the ranks of a world agree they hold: their step, data offset, generation and layout,
+and the layout-independent digest of the training state (:mod:`lightning_emig.migration.digest`). :func:`prove_state`
+takes it with two all-reduces (integers only) after checking
+
+* that every rank has the same step, data offset, generation and layout (a worker restored from another step, or
+  started from a checkpoint while its peers joined live, differs here);
+* that every replica of every piece has the same values (HSDP replicas, tensor-parallel replicated tensors, scalars:
+  a replica that missed an update, or restored another step's shard, differs here).
+
+:func:`check_same_state` compares a proof with the one taken before a change (a live change, a join, a checkpoint's
+save): the digest does not depend on the layout, so a migration or a restore that changed any value shows.
+
+Either failure raises :class:`InconsistentStateError` on every rank alike (the outcome of a collective), so no rank
+trains on while the others stop.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_emig.layout import HybridLayout
+from lightning_emig.migration.digest import replica_slots
+from lightning_emig.migration.state import StateTensor
+
+
+class InconsistentStateError(RuntimeError):
+    """The ranks of a world do not hold one state: never trained on."""
+
+
+@dataclass(frozen=True)
+class StateProof:
+    """What every rank of a world agreed it holds (picklable; travels in checkpoints and handoffs)."""
+
+    step: int
+    data_offset: int
+    """The global sample offset of the training data (``-1``: no data stream attached)."""
+    generation: int
+    layout: str
+    digest: int
+    """The state digest as an unsigned 64-bit number (see :mod:`lightning_emig.migration.digest`)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> StateProof:
+        return cls(**values)
+
+
+def prove_state(state: dict[str, StateTensor], layout: HybridLayout, *, rank: int, step: int, data_offset: int,
+                generation: int, device: torch.device, when: str) -> StateProof:
+    """Check that the world's ranks hold one state (module docstring) and return it; ``when`` names the moment in
+    the error. Every rank of the default process group calls it at the same point."""
+    facts = torch.tensor([step, data_offset, generation, _layout_code(layout)], dtype=torch.int64, device=device)
+    slots = replica_slots(state, layout, rank, device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        extremes = torch.cat([facts, -facts])
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        dist.all_reduce(slots)
+    else:
+        extremes = torch.cat([facts, -facts])
+    highest, lowest = extremes[:4].tolist(), [-v for v in extremes[4:].tolist()]
+    disagree = [f"{name} {low}..{high}" for name, low, high in
+                zip(("step", "data offset", "generation", "layout"), lowest, highest, strict=True) if low != high]
+    if disagree:
+        raise InconsistentStateError(
+            f"INCONSISTENT STATE {when}: the ranks disagree on {', '.join(disagree)} (this rank: step {step}, "
+            f"data offset {data_offset}, generation {generation}, {layout.describe()}): they do not hold one state"
+        )
+    digests = sorted({_unsigned(v) for v in slots.tolist()})
+    if len(digests) > 1:
+        raise InconsistentStateError(
+            f"INCONSISTENT STATE {when} at step {step}: replicas of the training state differ "
+            f"({len(digests)} different digests over the {len(slots)} replica slots of {layout.describe()})"
+        )
+    return StateProof(step=step, data_offset=data_offset, generation=generation, layout=layout.describe(),
+                      digest=digests[0])
+
+
+def check_same_state(before: StateProof, after: StateProof, *, what: str) -> None:
+    """``what`` (a change, a restore) kept the state: same step, same digest, and the same data offset where both
+    know one (a checkpoint saved after ``fit`` returned has no data stream attached: ``-1``)."""
+    offsets_known = before.data_offset >= 0 and after.data_offset >= 0
+    if (before.step, before.digest) != (after.step, after.digest) or (
+            offsets_known and before.data_offset != after.data_offset):
+        raise InconsistentStateError(
+            f"INCONSISTENT STATE after {what}: before it step {before.step}, data offset {before.data_offset}, digest "
+            f"{before.digest:#018x} ({before.layout}); after it step {after.step}, data offset {after.data_offset}, "
+            f"digest {after.digest:#018x} ({after.layout})"
+        )
+
+
+def _layout_code(layout: HybridLayout) -> int:
+    return zlib.crc32(layout.describe().encode())
+
+
+def _unsigned(value: int) -> int:
+    return value & 0xFFFF_FFFF_FFFF_FFFF

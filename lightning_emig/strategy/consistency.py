@@ -1,0 +1,99 @@
+"""The consistency guard in Lightning's hooks: a fit never trains on state its ranks do not all hold.
+
+:class:`ConsistencyGuard` (added by the strategy to every fit) proves one state (:mod:`lightning_emig.consistency`):
+
+* when every fit starts, after its state arrived (a first start, a live join or handoff, a rebuild from replicas, a
+  rollback, a checkpoint load): the ranks agree on step, data offset, generation and layout, replicas agree; and when
+  the state came from a checkpoint or a handoff whose save hooks recorded a proof, the digest, step and data offset
+  equal that proof's (a checkpoint written by another world, or a migration into another layout, included);
+* around a live layout change inside a fit (``strategy.reconfigure``): the state after it equals the state before;
+* every ``consistency_every_n_steps`` optimizer steps (0: only at the moments above);
+* whenever Lightning saves a checkpoint (and a live handoff is captured): the proof is saved with it, under
+  :data:`PROOF_KEY`.
+
+A failed proof raises :class:`~lightning_emig.consistency.InconsistentStateError` on every rank: the fit stops loudly
+instead of training on; see the README for what to do.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_emig.consistency import StateProof, check_same_state, prove_state
+from lightning_emig.migration.state import training_state
+
+log = logging.getLogger(__name__)
+
+PROOF_KEY = "lightning_emig_state_proof"
+"""Where a checkpoint (or a handoff's metadata) keeps the proof of the state it holds."""
+
+
+def prove(trainer: pl.Trainer, when: str) -> StateProof:
+    """The proof of the state the fit holds now (a collective of the fit's world)."""
+    strategy: Any = trainer.strategy
+    streams = strategy.data_streams
+    return prove_state(
+        training_state(trainer.lightning_module, trainer.optimizers[0] if trainer.optimizers else None),
+        strategy.layout, rank=trainer.global_rank, step=trainer.global_step,
+        data_offset=streams[0].offset if streams else -1, generation=strategy.generation,
+        device=strategy.root_device, when=when,
+    )
+
+
+class ConsistencyGuard(Callback):
+    """See the module docstring; ``every_n_steps`` comes from the strategy's ``consistency_every_n_steps``."""
+
+    def __init__(self) -> None:
+        self._expected: tuple[StateProof, str] | None = None
+
+    @override
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get(PROOF_KEY)
+        if saved is not None:
+            self._expected = StateProof.from_dict(saved), _source(trainer)
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        if _handing_over(trainer):
+            # A save Lightning asks for after the handoff was captured: the strategy skips it, and a drain may already
+            # have released the old optimizer's storage. The handoff's own proof was taken before (run_save_hooks).
+            return
+        checkpoint[PROOF_KEY] = prove(trainer, "as a checkpoint was saved").as_dict()
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        proof = prove(trainer, "when the fit started")
+        expected, self._expected = self._expected, None
+        if expected is not None:
+            check_same_state(expected[0], proof, what=expected[1])
+            if trainer.global_rank == 0:
+                log.info("state at step %d proven equal to %s: digest %#018x", proof.step, expected[1], proof.digest)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        from lightning_emig.strategy.boundary import at_step_boundary
+
+        every = getattr(trainer.strategy, "consistency_every_n_steps", 0)
+        if every and trainer.global_step % every == 0 and at_step_boundary(trainer) and not _handing_over(trainer):
+            prove(trainer, f"at the periodic check of step {trainer.global_step}")
+
+
+def _handing_over(trainer: pl.Trainer) -> bool:
+    """A live handoff is pending (set alike on every rank): this fit trains no more."""
+    return getattr(trainer.strategy, "pending_handoff", None) is not None
+
+
+def _source(trainer: pl.Trainer) -> str:
+    from lightning_emig.membership.handoff import LIVE_CHECKPOINT
+
+    if trainer.ckpt_path == LIVE_CHECKPOINT:
+        return "the live change (the state handed over)"
+    return "the checkpoint's restore"

@@ -1,0 +1,179 @@
+"""The consistency guard: a state digest that no layout changes, and the proof that every rank holds one state.
+
+The same model state (initialised from one seed, one AdamW step on zero gradients: elementwise, so bit-identical
+under every layout) is laid out under each 2-process layout: its digest is the same under all of them, and changes
+with one element. The guard refuses a world whose ranks disagree on the step, or whose replicas differ."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_emig.consistency import InconsistentStateError, StateProof, check_same_state, prove_state
+from lightning_emig.layout import HybridLayout, build_mesh
+from lightning_emig.migration.digest import replica_slots
+from lightning_emig.migration.state import ShardingSpec, StateTensor, training_state
+from lightning_emig.models.llama import get_model_config
+from lightning_emig.strategy.consistency import PROOF_KEY
+from lightning_emig.testing.distributed import run_distributed
+from lightning_emig.testing.llama import laid_out_llama
+
+LAYOUTS = ({"dp_shard": 2}, {"tp": 2}, {"dp_replicate": 2})
+
+
+def _state(layout: HybridLayout) -> tuple[dict[str, StateTensor], Any]:
+    model = laid_out_llama(get_model_config("tiny"), build_mesh(layout, "cpu"), seed=3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    return training_state(model, optimizer), model
+
+
+def _prove(state: dict[str, StateTensor], layout: HybridLayout, rank: int, *, step: int = 4) -> StateProof | str:
+    try:
+        return prove_state(state, layout, rank=rank, step=step, data_offset=32, generation=1,
+                           device=torch.device("cpu"), when="in the test")
+    except InconsistentStateError as error:
+        return f"refused: {error}"
+
+
+def _every_case(rank: int, world: int) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for degrees in LAYOUTS:
+        layout = HybridLayout(**degrees).resolve(world)
+        state, _ = _state(layout)
+        results[layout.describe()] = _prove(state, layout, rank)
+    layout = HybridLayout(dp_shard=2).resolve(world)
+    state, model = _state(layout)
+    results["step_differs"] = _prove(state, layout, rank, step=4 + rank)
+    with torch.no_grad():  # one element of one shard (rank 1's): another state, still consistent
+        if rank == 1:
+            state["param/output.weight"].local.view(-1)[0] += 1.0
+    results["one_element_changed"] = _prove(state, layout, rank)
+    layout = HybridLayout(dp_replicate=2).resolve(world)
+    state, model = _state(layout)
+    with torch.no_grad():  # one replica's copy of one element
+        if rank == 1:
+            state["param/norm.weight"].local.view(-1)[0] += 1.0
+    results["replica_differs"] = _prove(state, layout, rank)
+    return results
+
+
+@pytest.fixture(scope="module")
+def cases() -> list[dict[str, Any]]:
+    return run_distributed(_every_case, 2, timeout_s=180)
+
+
+def test_the_digest_of_one_state_is_the_same_under_every_layout(cases: list[dict[str, Any]]) -> None:
+    proofs = [rank_result[HybridLayout(**d).resolve(2).describe()] for d in LAYOUTS for rank_result in cases]
+    assert all(isinstance(p, StateProof) for p in proofs), proofs
+    assert len({p.digest for p in proofs}) == 1, proofs
+
+
+def test_one_element_changes_the_digest(cases: list[dict[str, Any]]) -> None:
+    same = cases[0][HybridLayout(dp_shard=2).resolve(2).describe()]
+    changed = cases[0]["one_element_changed"]
+    assert isinstance(changed, StateProof) and changed.digest != same.digest
+    with pytest.raises(InconsistentStateError, match="after a test change: before it step 4"):
+        check_same_state(same, changed, what="a test change")
+
+
+@pytest.mark.parametrize(("case", "message"), [
+    ("step_differs", r"the ranks disagree on step 4\.\.5"),
+    ("replica_differs", r"replicas of the training state differ \(2 different digests"),
+])
+def test_ranks_that_do_not_hold_one_state_are_refused_on_every_rank(cases: list[dict[str, Any]], case: str,
+                                                                    message: str) -> None:
+    for rank_result in cases:
+        assert isinstance(rank_result[case], str), rank_result[case]
+        assert re.search(message, rank_result[case]), rank_result[case]
+
+
+def _scalar_state(values: list[float]) -> dict[str, StateTensor]:
+    spec = ShardingSpec(global_shape=(len(values),), dtype=torch.float32, mesh_dim_names=(), placements=())
+    return {"param/w": StateTensor("param/w", spec, torch.tensor(values))}
+
+
+def _digest(values: list[float]) -> int:
+    return int(replica_slots(_scalar_state(values), HybridLayout().resolve(1), 0, "cpu")[0])
+
+
+def test_the_digest_sees_a_swap_and_the_sign_of_zero() -> None:
+    assert _digest([1.0, 2.0, 3.0]) == _digest([1.0, 2.0, 3.0])
+    assert _digest([1.0, 2.0, 3.0]) != _digest([2.0, 1.0, 3.0])
+    assert _digest([0.0, 1.0]) != _digest([-0.0, 1.0])
+
+
+# ------------------------------------------------------------------------------------ through the Trainer
+def _corrupting(reconfigure_live: Any) -> Any:
+    """``reconfigure_live`` that moves the state, then changes one element of rank 1's shard (a transfer that
+    wrote a wrong value)."""
+
+    def corrupted(strategy: Any, trainer: Any, layout: HybridLayout) -> Any:
+        event = reconfigure_live(strategy, trainer, layout)
+        if trainer.global_rank == 1:
+            with torch.no_grad():
+                trainer.lightning_module.model.output.weight.to_local().view(-1)[0] += 1.0
+        return event
+
+    return corrupted
+
+
+def _fit_guarded(rank: int, world: int, root: str) -> dict[str, str]:
+    import torch.distributed as dist
+
+    from lightning_emig.strategy import elastic
+    from lightning_emig.testing.runs import fit, tiny_config, with_schedule
+
+    outcome: dict[str, str] = {}
+    base = Path(root)
+    saved = fit(tiny_config(layout={"dp_shard": 2}, max_steps=3, world_size=world), base / "saved")
+    checkpoint = base / "step3.ckpt"
+    saved.trainer.save_checkpoint(checkpoint)
+    resumed = fit(tiny_config(layout={"tp": 2}, max_steps=4, world_size=world), base / "resumed",
+                  ckpt_path=str(checkpoint))  # the saved proof checked under another layout
+    outcome["resumed_to_step"] = str(resumed.trainer.global_step)
+    if rank == 0:  # a checkpoint whose state is not the one its proof names
+        meta = torch.load(checkpoint / "meta.pt", weights_only=False)
+        meta[PROOF_KEY]["digest"] ^= 1
+        torch.save(meta, checkpoint / "meta.pt")
+    dist.barrier()
+    outcome["tampered"] = _error_of(lambda: fit(tiny_config(layout={"tp": 2}, max_steps=4, world_size=world),
+                                                base / "tampered", ckpt_path=str(checkpoint)))
+    elastic.reconfigure_live = _corrupting(elastic.reconfigure_live)
+    outcome["corrupted_change"] = _error_of(lambda: fit(with_schedule(
+        tiny_config(layout={"dp_shard": 2}, max_steps=4, world_size=world), [(2, {"dp_shard": 1, "tp": 2})]),
+        base / "corrupted"))
+    return outcome
+
+
+def _error_of(run: Any) -> str:
+    try:
+        run()
+    except InconsistentStateError as error:
+        return str(error)
+    return "not refused"
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
+    return run_distributed(_fit_guarded, 2, str(tmp_path_factory.mktemp("guarded")), timeout_s=300)
+
+
+def test_a_checkpoint_resumed_under_another_layout_proves_the_state_it_saved(guarded: list[dict[str, str]]) -> None:
+    assert [r["resumed_to_step"] for r in guarded] == ["4", "4"]
+
+
+@pytest.mark.parametrize(("case", "message"), [
+    ("tampered", r"after the checkpoint.s restore: before it step 3, data offset -1, digest"),
+    ("corrupted_change", r"after the layout change: before it step 2, data offset 16, digest"),
+])
+def test_state_that_differs_from_where_it_came_from_is_never_trained_on(guarded: list[dict[str, str]], case: str,
+                                                                         message: str) -> None:
+    for rank_result in guarded:
+        assert re.search(message, rank_result[case]), rank_result[case]
