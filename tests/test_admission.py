@@ -19,12 +19,14 @@ from lightning_emig.launcher.generation import (
     LEFT_OUT_EXIT_CODE,
     GenerationError,
     NodeEntry,
+    leaving_key,
     publish_generation,
     read_generation,
     ready_key,
 )
 from lightning_emig.membership.admission import (
     LeftOutError,
+    PreemptedBeforeAdmissionError,
     active_generation,
     await_admission,
     commit_generation,
@@ -85,6 +87,18 @@ def test_a_joiner_the_holders_went_on_without_is_left_out_and_its_agent_rejoins(
         await_admission(store, "c", 0, started_in=2, timeout_s=30, poll_s=0.01)
     assert left_out.value.code == LEFT_OUT_EXIT_CODE
     assert not store.check([ready_key("c", 0)])  # a process on its way out is not ready
+
+
+def test_a_joiner_whose_node_is_preempted_before_admission_exits_0(two_joins_apart) -> None:
+    """It holds nothing to hand off: waiting on would run its node's grace period out (exit 1 for the node)."""
+    store = two_joins_apart
+    store.set(leaving_key("c"), '{"deadline": 0}')
+    with pytest.raises(PreemptedBeforeAdmissionError) as left:
+        await_admission(store, "c", 0, started_in=2, timeout_s=30, poll_s=0.01)
+    assert left.value.code == 0
+    assert not store.check([ready_key("c", 0)])
+    commit_generation(store, 2)  # admitted before it saw the notice: it forms the generation (and hands off later)
+    assert await_admission(store, "c", 0, started_in=2, timeout_s=30, poll_s=0.01) == 2
 
 
 def test_a_joiner_that_is_never_admitted_says_what_it_waited_for(two_joins_apart) -> None:

@@ -28,6 +28,8 @@ The rules:
   to a generation at or past the one it was started into without it, it is *left out*: it exits with
   :data:`LEFT_OUT_EXIT_CODE`, and its agent brings a fresh worker back in through a new rendezvous round (not a
   failure: no restart is spent, nothing is marked dead);
+* a joiner whose node got a preemption notice (``leaving/<node_id>``) before it was admitted holds nothing: it exits 0
+  (:class:`PreemptedBeforeAdmissionError`), so a preempted node leaves with exit 0 whatever its worker was doing;
 * a joiner still waiting when the holders' training has ended (its node joined in the last steps) exits 0
   (:class:`TrainingDoneError`): nothing is left to train, and its agent must reach the exit barrier the others
   wait at; the holders' rank 0 announces the end (:func:`announce_training_done`) once its last fit returned;
@@ -59,6 +61,7 @@ from lightning_emig.launcher.generation import (
     agent_heartbeat_key,
     dead_key,
     latest_generation,
+    leaving_key,
     publish_generation,
     raise_key,
     read_generation,
@@ -75,6 +78,14 @@ class LeftOutError(SystemExit):
 
     def __init__(self) -> None:
         super().__init__(LEFT_OUT_EXIT_CODE)
+
+
+class PreemptedBeforeAdmissionError(SystemExit):
+    """This joiner's node got a preemption notice before the holders admitted it: it holds nothing to hand off, so it
+    exits 0 at once (its agent then leaves the job with exit 0, well inside the grace period)."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
 
 
 class TrainingDoneError(SystemExit):
@@ -230,6 +241,11 @@ def await_admission(client: dist.Store, node_id: str, local_rank: int, *, starte
                       "leaving, so that this node's agent brings it back in through a new round", active, started_in)
             client.delete_key(ready_key(node_id, local_rank))
             raise LeftOutError
+        if client.check([leaving_key(node_id)]):  # after the generations, too: admitted, it hands off like a holder
+            log.warning("this node got a preemption notice before this worker was admitted (started into generation "
+                        "%d): it holds no state to hand off, leaving (exit 0)", started_in)
+            client.delete_key(ready_key(node_id, local_rank))
+            raise PreemptedBeforeAdmissionError
         if training_done(client):  # checked after the generations: holders that admitted this worker wait for it
             log.warning("the workers holding the state finished training before this worker was admitted (started "
                         "into generation %d): nothing left to train, leaving (exit 0)", started_in)
