@@ -34,6 +34,9 @@ from lightning_emig.migration.state import StateTensor
 class InconsistentStateError(RuntimeError):
     """The ranks of a world do not hold one state: never trained on."""
 
+    checkpoint: str | None = None
+    """The checkpoint whose restore gave that state (never to be resumed from again), where one did."""
+
 
 @dataclass(frozen=True)
 class StateProof:

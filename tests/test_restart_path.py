@@ -146,6 +146,9 @@ def test_the_newest_complete_checkpoint_is_resumed_and_an_interrupted_save_is_sk
     _sharded(ckpts / "step000010.ckpt", complete=True)
     _sharded(ckpts / "step000015.ckpt", complete=False)  # the worker was stopped while saving
     assert newest_checkpoint(ckpts) == FoundCheckpoint(ckpts / "step000010.ckpt", 10)
+    # one whose state failed its proof (InconsistentStateError at its restore) is never resumed from again
+    refused = frozenset({(ckpts / "step000010.ckpt").resolve()})
+    assert newest_checkpoint(ckpts, refused) == FoundCheckpoint(ckpts / "step000005.ckpt", 5)
     restarted = {"LIGHTNING_EMIG_GENERATION": "1", "RANK": "1"}
     assert resolve_checkpoint(None, tmp_path, restarted) == str(ckpts / "step000010.ckpt")
     assert resolve_checkpoint(None, tmp_path, {}) is None  # a first start ignores old checkpoints

@@ -80,11 +80,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Future[dict[
 
 
 def _start(tmp_path: Path, name: str, addr: str, port: int, *, layout: list[str], hosts_store: bool,
-           max_restarts: int = 0, hold_steps: str = "", etcd: str | None = None, processes: int = 1
-           ) -> subprocess.Popen:
+           max_restarts: int = 0, hold_steps: str = "", etcd: str | None = None, processes: int = 1,
+           test_env: dict[str, str] | None = None) -> subprocess.Popen:
     """One node; with ``etcd`` (a server's host:port) the rendezvous is etcd-v2's and no node hosts a store."""
     env = {"LIGHTNING_EMIG_TEST_RUN_MODULE": EXAMPLE, "LIGHTNING_EMIG_TEST_HOLD_DIR": str(tmp_path),
-           "LIGHTNING_EMIG_TEST_HOLD_STEPS_FOR_JOINERS": "1", "LIGHTNING_EMIG_TEST_HOLD_AT_STEPS": hold_steps}
+           "LIGHTNING_EMIG_TEST_HOLD_STEPS_FOR_JOINERS": "1", "LIGHTNING_EMIG_TEST_HOLD_AT_STEPS": hold_steps,
+           **(test_env or {})}
     backend = {"rdzv_backend": "etcd-v2", "rdzv_endpoint": etcd} if etcd else {
         "rdzv_conf": f"is_host={str(hosts_store).lower()}"}
     return start_node(tmp_path, name, local_addr=addr, port=port, run_dir=tmp_path / "run", rdzv_id="user-script",
@@ -185,6 +186,34 @@ def _join_then_preempt(tmp_path: Path, reference: Future, *, layout: list[str], 
     assert checked["ledger"].rolled_back_steps == [], checked["ledger"].describe()
     _print_events(checked["events"])
     return checked
+
+
+@pytest.mark.timeout(300)
+def test_a_replica_that_went_wrong_is_never_trained_on_the_job_rolls_back(tmp_path: Path, reference: Future) -> None:
+    """Two processes, HSDP (two whole replicas); at step 23 rank 1 changes one element of its replica. The guard's
+    check at step 25 (every 5 steps) finds the replicas differ: both ranks roll back to the step-20 checkpoint (whose
+    saved proof the restore matches) and train on; the run ends as the uninterrupted one, every sample once."""
+    port = free_port()
+    agents: dict[str, subprocess.Popen] = {}
+    try:
+        agents["a"] = _start(tmp_path, "a", "127.0.0.2", port, layout=["--dp-replicate", "2", "--consistency-every",
+                                                                      "5", "--checkpoint-every", "20"],
+                             hosts_store=True, hold_steps="21", processes=2,
+                             test_env={"LIGHTNING_EMIG_TEST_CORRUPT_REPLICA_AT_STEP": "23"})
+        _held_at(tmp_path, 21, agents)
+        step20 = tmp_path / "run" / "checkpoints" / "step000020.ckpt"
+        wait_for(lambda: is_complete(step20), 60, "the step-20 checkpoint was never completed")
+        a_workers = [p for p in descendants(agents["a"].pid) if is_alive(p)]
+        _release(tmp_path, 21)
+        assert_agents_succeed(tmp_path, agents, 200)
+    finally:
+        stop_agents(agents)
+    log = _log(tmp_path, "a", 1_000_000)
+    assert "replicas of the training state differ" in log and "ROLLING BACK" in log, log[-3000:]
+    checked = _check_run(tmp_path, reference, a_workers)
+    failures = [e for e in checked["events"] if e["kind"] == "failure"]
+    assert len(failures) == 1 and failures[0]["step"] == 20 and failures[0]["steps_rolled_back"] == 5, failures
+    assert checked["ledger"].rolled_back_steps, checked["ledger"].describe()
 
 
 @pytest.mark.timeout(420)

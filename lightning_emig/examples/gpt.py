@@ -268,6 +268,8 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, out: Path) -> None:
                         help="switch live to this layout after optimizer step STEP, prepared in the background a "
                              "step before (LayoutSchedule), e.g. 40:tp=2; repeatable")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--consistency-every", type=int, default=100,
+                        help="steps between proofs that the ranks hold one state (0: only at changes and saves)")
 
 
 def _layout_change(text: str) -> tuple[int, HybridLayout]:
@@ -337,6 +339,7 @@ def main(argv: list[str] | None = None) -> None:
         global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
         timeout=timedelta(seconds=60), seed=args.seed, async_checkpoints=True,
         failure=FailureSettings(heartbeat_interval_s=0.5, heartbeat_timeout_s=args.heartbeat_timeout),
+        consistency_every_n_steps=args.consistency_every,
     )
     callbacks = run_callbacks(args)
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # processes per node, as torchrun started them

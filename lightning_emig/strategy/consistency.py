@@ -12,7 +12,8 @@
   :data:`PROOF_KEY`.
 
 A failed proof raises :class:`~lightning_emig.consistency.InconsistentStateError` on every rank: the fit stops loudly
-instead of training on; see the README for what to do.
+instead of training on. Under ``lightning-emig-run`` the job then rolls back to the newest complete checkpoint whose
+state proves (:mod:`lightning_emig.strategy.elastic_fit`); elsewhere the error ends ``fit``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_emig.consistency import StateProof, check_same_state, prove_state
+from lightning_emig.consistency import InconsistentStateError, StateProof, check_same_state, prove_state
+from lightning_emig.membership.handoff import LIVE_CHECKPOINT
 from lightning_emig.migration.state import training_state
 
 log = logging.getLogger(__name__)
@@ -72,7 +74,12 @@ class ConsistencyGuard(Callback):
         proof = prove(trainer, "when the fit started")
         expected, self._expected = self._expected, None
         if expected is not None:
-            check_same_state(expected[0], proof, what=expected[1])
+            try:
+                check_same_state(expected[0], proof, what=expected[1])
+            except InconsistentStateError as error:
+                if trainer.ckpt_path not in (None, LIVE_CHECKPOINT):
+                    error.checkpoint = str(trainer.ckpt_path)
+                raise
             if trainer.global_rank == 0:
                 log.info("state at step %d proven equal to %s: digest %#018x", proof.step, expected[1], proof.digest)
 
@@ -83,7 +90,7 @@ class ConsistencyGuard(Callback):
 
         every = getattr(trainer.strategy, "consistency_every_n_steps", 0)
         if every and trainer.global_step % every == 0 and at_step_boundary(trainer) and not _handing_over(trainer):
-            prove(trainer, f"at the periodic check of step {trainer.global_step}")
+            prove(trainer, "at the periodic check")
 
 
 def _handing_over(trainer: pl.Trainer) -> bool:
@@ -92,8 +99,6 @@ def _handing_over(trainer: pl.Trainer) -> bool:
 
 
 def _source(trainer: pl.Trainer) -> str:
-    from lightning_emig.membership.handoff import LIVE_CHECKPOINT
-
     if trainer.ckpt_path == LIVE_CHECKPOINT:
         return "the live change (the state handed over)"
     return "the checkpoint's restore"

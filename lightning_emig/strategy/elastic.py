@@ -827,11 +827,9 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         self._rollback = None  # used: a later fit, validate or test of this Trainer is no rollback
         treat_step_as_saved(self.lightning_module.trainer, step)  # restored, not trained: no save due for it
         if self.global_rank == 0:
-            log.error(
-                "ROLLED BACK to step %d after the failure of node(s) %s: %d step(s) lost (%s); world %d -> %d, %s",
-                step, rollback.dead_nodes, lost, rollback.reason, rollback.old_world, self.world_size,
-                self.layout.describe(),
-            )
+            cause = f"the failure of node(s) {rollback.dead_nodes}" if rollback.dead_nodes else "a failed proof"
+            log.error("ROLLED BACK to step %d after %s: %d step(s) lost (%s); world %d -> %d, %s", step, cause, lost,
+                      rollback.reason, rollback.old_world, self.world_size, self.layout.describe())
 
     def _load_live(self) -> dict[str, Any]:
         if not self.live_join:

@@ -35,6 +35,7 @@ import inspect
 import logging
 import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -44,6 +45,7 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from typing_extensions import override
 
 from lightning_emig.collector import release_frozen
+from lightning_emig.consistency import InconsistentStateError
 from lightning_emig.launcher.generation import (
     ENV_NODE_ID,
     GenerationError,
@@ -53,7 +55,7 @@ from lightning_emig.launcher.generation import (
 )
 from lightning_emig.membership.admission import LeftOutError, announce_training_done
 from lightning_emig.membership.below_min import wait_for_enough_nodes
-from lightning_emig.membership.failure import Rollback, is_peer_failure, recover_from_failure
+from lightning_emig.membership.failure import RECOVERY_ATTEMPTS, Rollback, is_peer_failure, recover_from_failure
 from lightning_emig.membership.group import enter_generation, joining_live, under_launcher
 from lightning_emig.membership.handoff import LIVE_CHECKPOINT, LiveHandoff
 from lightning_emig.strategy.rebuild import drop_model
@@ -62,7 +64,6 @@ from lightning_emig.strategy.resume import newest_checkpoint
 if TYPE_CHECKING:
     from collections.abc import Callable
     from datetime import timedelta
-    from pathlib import Path
 
     import lightning.pytorch as pl
 
@@ -90,6 +91,9 @@ class ElasticFitLauncher(_Launcher):
 
     def __init__(self, strategy: ElasticMigrationStrategy) -> None:
         self._strategy = strategy
+        self._inconsistent_rollbacks = 0  # in a row: training past the step of the last one resets the count
+        self._inconsistent_at = -1
+        self._refused_checkpoints: frozenset[Path] = frozenset()
 
     @property
     @override
@@ -142,6 +146,9 @@ class ElasticFitLauncher(_Launcher):
         strategy = self._strategy
         try:
             function(*call.args, **call.kwargs)
+        except InconsistentStateError as exc:  # raised on every rank alike, in a healthy world
+            _end_interrupted_fit(trainer, exc)
+            return self._roll_back_inconsistent(trainer, exc)
         except Exception as exc:
             if not is_peer_failure(exc):
                 raise
@@ -186,6 +193,28 @@ class ElasticFitLauncher(_Launcher):
         self._strategy.finish_join_event(trainer, interrupted=True)
         return self._go_on(trainer, outcome, dropped)
 
+    def _roll_back_inconsistent(self, trainer: pl.Trainer, error: InconsistentStateError) -> str | None:
+        """The ranks found they do not hold one state: never train on it. The same world restores the newest complete
+        checkpoint that has not failed its proof (a checkpoint whose restore failed it is never taken again), and
+        the restore is proven in turn; after :data:`RECOVERY_ATTEMPTS` such rollbacks in a row the fit gives up."""
+        strategy = self._strategy
+        if trainer.global_step > self._inconsistent_at:  # trained past the last one: not the same loop
+            self._inconsistent_rollbacks = 0
+        self._inconsistent_at = trainer.global_step
+        self._inconsistent_rollbacks += 1
+        if error.checkpoint is not None:
+            self._refused_checkpoints |= {Path(error.checkpoint).resolve()}
+        if self._inconsistent_rollbacks > RECOVERY_ATTEMPTS:
+            raise InconsistentStateError(
+                f"{RECOVERY_ATTEMPTS} rollbacks in a row found no state the ranks hold alike; giving up") from error
+        log.error("%s; ROLLING BACK to the newest complete checkpoint whose state proves (rollback %d of at most %d)",
+                  error, self._inconsistent_rollbacks, RECOVERY_ATTEMPTS)
+        dropped = drop_model(trainer.lightning_module, strategy.kept_children)
+        rollback = Rollback(generation=strategy.generation, from_step=trainer.global_step,
+                            reason=f"inconsistent state ({str(error).split(':', 1)[0]})", dead_nodes=[],
+                            old_layout=strategy.layout, old_world=strategy.world_size, last_step_wall=time.time())
+        return self._go_on(trainer, rollback, dropped)
+
     def _record_unfinished_change(self, trainer: pl.Trainer, held: LiveHandoff | None,
                                   outcome: LiveHandoff | Rollback) -> None:
         """A drain or a rebuild had already moved ``held``'s state when a holder died: that change happened and
@@ -203,7 +232,8 @@ class ElasticFitLauncher(_Launcher):
             # hold it until collected, and the restore is about to allocate the model again (on a GPU, twice the
             # state). The restart path reads a checkpoint anyway; the collection is small beside it.
             gc.collect()
-            outcome.checkpoint = _agree_on_newest_checkpoint(strategy.checkpoint_dir(trainer))
+            outcome.checkpoint = _agree_on_newest_checkpoint(strategy.checkpoint_dir(trainer),
+                                                             self._refused_checkpoints)
             if outcome.checkpoint is None:  # nothing complete was saved: training starts over from step 0
                 trainer.fit_loop.load_state_dict(copy.deepcopy(self._fresh_loops))
             strategy.prepare_next_fit(rollback=outcome, dropped=dropped)
@@ -294,12 +324,12 @@ def _prepare_trainer_for_next_fit(trainer: pl.Trainer) -> None:
     trainer.should_stop = False
 
 
-def _agree_on_newest_checkpoint(checkpoint_dir: Path | None) -> str | None:
-    """Rank 0 picks the newest complete checkpoint and tells the others (a background save might complete while
-    the ranks look, so one rank decides)."""
+def _agree_on_newest_checkpoint(checkpoint_dir: Path | None, refused: frozenset[Path]) -> str | None:
+    """Rank 0 picks the newest complete checkpoint (none of ``refused``) and tells the others (a background save might
+    complete while the ranks look, so one rank decides)."""
     box: list[Any] = [None]
     if dist.get_rank() == 0 and checkpoint_dir is not None:
-        found = newest_checkpoint(checkpoint_dir)
+        found = newest_checkpoint(checkpoint_dir, refused)
         box[0] = str(found.path) if found is not None else None
     dist.broadcast_object_list(box, src=0)
     return box[0]

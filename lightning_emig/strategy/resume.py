@@ -74,18 +74,19 @@ def is_complete(path: Path) -> bool:
     return path.is_file()
 
 
-def newest_checkpoint(checkpoint_dir: Path) -> FoundCheckpoint | None:
-    """The complete ``step*.ckpt`` with the most steps, else a complete ``last.ckpt``, else None."""
+def newest_checkpoint(checkpoint_dir: Path, excluding: frozenset[Path] = frozenset()) -> FoundCheckpoint | None:
+    """The complete ``step*.ckpt`` with the most steps, else a complete ``last.ckpt``, else None; never one of
+    ``excluding`` (resolved paths: checkpoints whose state failed its proof), nor a ``last.ckpt`` linking to one."""
     found = []
     if checkpoint_dir.is_dir():
         for path in checkpoint_dir.iterdir():
             match = _STEP_NAME.match(path.name)
-            if match and is_complete(path):
+            if match and is_complete(path) and path.resolve() not in excluding:
                 found.append(FoundCheckpoint(path, int(match.group(1))))
     if found:
         return max(found, key=lambda c: c.step)
     last = checkpoint_dir / "last.ckpt"
-    if is_complete(last):
+    if is_complete(last) and last.resolve() not in excluding:
         return FoundCheckpoint(last, _saved_step(last))
     return None
 

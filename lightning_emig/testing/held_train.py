@@ -31,6 +31,9 @@ race of two membership events in end-to-end tests, so a test hits it on any mach
   generation's group formed and the fit set up, before any state moved — if file ``F`` does not exist yet; it creates
   ``F`` first, so the worker its agent restarts joins normally.
 * ``LIGHTNING_EMIG_TEST_DIE_AFTER_JOIN=F``: the same, right after its live join is done (before its first step).
+* ``LIGHTNING_EMIG_TEST_CORRUPT_REPLICA_AT_STEP=N``: at step ``N`` (once per process) global rank 1 adds 1 to one
+  element of its first trainable parameter, right before the consistency guard's periodic check: a replica that
+  silently went wrong.
 * ``LIGHTNING_EMIG_TEST_RUN_MODULE=M``: run module ``M`` (e.g. ``lightning_emig.examples.gpt``) instead of
   ``lightning_emig.train``, with the same holds.
 
@@ -45,6 +48,8 @@ import os
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 ENV_HOLD_UNTIL_GENERATION = "LIGHTNING_EMIG_TEST_HOLD_UNTIL_GENERATION"
 ENV_HOLD_LEAVING_EXIT = "LIGHTNING_EMIG_TEST_HOLD_LEAVING_EXIT"
@@ -228,6 +233,33 @@ def die_in_join(marker: str, *, after: bool) -> None:
     elastic.join_live = dying_join_live
 
 
+ENV_CORRUPT_REPLICA_AT_STEP = "LIGHTNING_EMIG_TEST_CORRUPT_REPLICA_AT_STEP"
+
+
+def corrupt_a_replica(step: int) -> None:
+    """Once per process, at ``step``'s boundary, global rank 1 adds 1 to one element of its first parameter: a
+    replica that silently went wrong (see the module docstring)."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_emig.strategy.boundary import at_step_boundary
+    from lightning_emig.strategy.consistency import ConsistencyGuard
+
+    on_batch_end = ConsistencyGuard.on_train_batch_end
+    done: list[bool] = []
+
+    def corrupting_on_batch_end(self: Any, trainer: Any, *args: Any, **kwargs: Any) -> None:
+        if trainer.global_step == step and trainer.global_rank == 1 and at_step_boundary(trainer) and not done:
+            done.append(True)
+            param = next(p for p in trainer.lightning_module.parameters() if p.requires_grad)
+            local = param.to_local() if isinstance(param, DTensor) else param
+            with torch.no_grad():
+                local.view(-1)[0] += 1.0
+            log.warning("test: rank 1 changed one element of its replica at step %d", step)
+        on_batch_end(self, trainer, *args, **kwargs)
+
+    ConsistencyGuard.on_train_batch_end = corrupting_on_batch_end  # type: ignore[method-assign]
+
+
 ENV_HOLD_AT_STEPS = "LIGHTNING_EMIG_TEST_HOLD_AT_STEPS"
 ENV_HOLD_DIR = "LIGHTNING_EMIG_TEST_HOLD_DIR"
 ENV_RUN_MODULE = "LIGHTNING_EMIG_TEST_RUN_MODULE"
@@ -275,6 +307,9 @@ def main() -> None:
     for variable, after in ((ENV_DIE_BEFORE_JOIN, False), (ENV_DIE_AFTER_JOIN, True)):
         if os.environ.get(variable):
             die_in_join(os.environ[variable], after=after)
+    corrupt_at = os.environ.get(ENV_CORRUPT_REPLICA_AT_STEP)
+    if corrupt_at:
+        corrupt_a_replica(int(corrupt_at))
     steps = os.environ.get(ENV_HOLD_AT_STEPS)
     if steps:
         hold_at_steps({int(s) for s in steps.split(",")}, os.environ[ENV_HOLD_DIR])
