@@ -55,6 +55,10 @@ def _every_case(rank: int, world: int) -> dict[str, Any]:
         if rank == 1:
             state["param/output.weight"].local.view(-1)[0] += 1.0
     results["one_element_changed"] = _prove(state, layout, rank)
+    # a plain buffer that differs between ranks by design (BatchNorm's running statistics without SyncBatchNorm)
+    per_rank = _scalar_state([float(rank), 1.0])["param/w"]
+    state["buffer/bn.running_mean"] = StateTensor("buffer/bn.running_mean", per_rank.spec, per_rank.local)
+    results["per_rank_buffer"] = _prove(state, layout, rank)
     layout = HybridLayout(dp_replicate=2).resolve(world)
     state, model = _state(layout)
     with torch.no_grad():  # one replica's copy of one element
@@ -73,6 +77,10 @@ def test_the_digest_of_one_state_is_the_same_under_every_layout(cases: list[dict
     proofs = [rank_result[HybridLayout(**d).resolve(2).describe()] for d in LAYOUTS for rank_result in cases]
     assert all(isinstance(p, StateProof) for p in proofs), proofs
     assert len({p.digest for p in proofs}) == 1, proofs
+
+
+def test_a_plain_buffer_may_differ_between_ranks(cases: list[dict[str, Any]]) -> None:
+    assert all(isinstance(rank_result["per_rank_buffer"], StateProof) for rank_result in cases), cases
 
 
 def test_one_element_changes_the_digest(cases: list[dict[str, Any]]) -> None:

@@ -11,7 +11,9 @@ replicated norm, a scalar held by every rank) must be counted once. A tensor wit
 index ``0 .. R-1`` (the rank's position among the ranks holding the same piece); a rank adds its sum into every slot
 ``j`` of a vector of ``L = world / pp`` slots with ``j = index mod R`` (``R`` divides ``L``: it is a product of mesh
 degrees). After a SUM over all ranks, every slot holds the full digest, once per tensor, *read from a different
-replica*: slots that differ mean replicas that differ. One all-reduce of ``L`` integers checks both.
+replica*: slots that differ mean replicas that differ. One all-reduce of ``L`` integers checks both. A plain (not
+DTensor) buffer may differ between ranks by design (BatchNorm's running statistics without SyncBatchNorm): it is left
+out of the digest.
 
 Not a cryptographic hash: a guard against state that silently went wrong (a replica that missed an update, a shard
 restored from another step, a transfer that wrote the wrong place), cheap enough to run every few hundred steps.
@@ -45,6 +47,8 @@ def replica_slots(state: Mapping[str, StateTensor], layout: HybridLayout, rank: 
         holding = sharding.holding_of_rank(rank)
         if holding is None or holding.is_empty:
             continue
+        if _per_rank(key, tensor):
+            continue
         replicas = sharding.replica_ranks(rank)
         index = replicas.index(rank)
         local_sum = torch.zeros((), dtype=torch.int64, device=device)
@@ -52,6 +56,12 @@ def replica_slots(state: Mapping[str, StateTensor], layout: HybridLayout, rank: 
             local_sum += _piece_sum(tensor.local, piece, tensor.spec.global_shape, _salt(key)).to(device)
         slots[index::len(replicas)] += local_sum
     return slots
+
+
+def _per_rank(key: str, tensor: StateTensor) -> bool:
+    """A buffer that is not a DTensor may legitimately differ between ranks (BatchNorm's running statistics without
+    SyncBatchNorm, a per-rank counter), and a change may keep any rank's: it is left out of the digest."""
+    return key.startswith("buffer/") and not tensor.spec.placements
 
 
 def _salt(key: str) -> int:
@@ -65,6 +75,8 @@ def _piece_sum(local: torch.Tensor, piece: LocalPiece, global_shape: tuple[int, 
     box = piece.global_box
     strides = _row_major_strides(global_shape)
     total = torch.zeros((), dtype=torch.int64, device=local.device)
+    if region.numel() == 0:
+        return total
     if region.dim() == 0:
         return total + _bits(region.reshape(1)).sum() * (2 * salt + 1)
     rows_per_chunk = max(1, _CHUNK_ELEMENTS // max(1, region[0].numel()))
@@ -85,6 +97,9 @@ def _bits(values: torch.Tensor) -> torch.Tensor:
     flat = values.detach().contiguous().reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
+    if flat.element_size() == 16:  # complex128: its two 64-bit halves, mixed into one number per element
+        halves = flat.view(torch.int64).reshape(-1, 2)
+        return halves[:, 0] * 3 + halves[:, 1]
     return flat.view(_BITS_DTYPE[flat.element_size()]).to(torch.int64)
 
 

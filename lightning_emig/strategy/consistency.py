@@ -54,6 +54,10 @@ class ConsistencyGuard(Callback):
         self._expected: tuple[StateProof, str] | None = None
 
     @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._expected = None  # a proof loaded by an earlier fit that never started training is no one's now
+
+    @override
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get(PROOF_KEY)

@@ -500,7 +500,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         scheduled = [layout for callback in trainer.callbacks if isinstance(callback, LayoutSchedule)
                      for layout in callback.schedule.values()]
         picked = self.picker is not None and self.picker.constraints.allow_pp
-        return picked or any(layout.pp > 1 for layout in (self._requested_layout, *scheduled))
+        return picked or any(layout.pp != 1 for layout in (self._requested_layout, *scheduled))
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -530,7 +530,7 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training:
             raise RuntimeError("reconfigure(layout) works during Trainer.fit; change the layout argument instead")
-        if layout.pp > 1:
+        if layout.pp != 1:  # pp=-1 fills the world with stages
             check_can_be_staged(self.lightning_module)
         self._pending_layout = layout
         if at_step_boundary(trainer):
@@ -944,9 +944,12 @@ def _add_callbacks(trainer: pl.Trainer) -> None:
     to be one before a periodic save would fall on it."""
     from lightning.pytorch.callbacks import Checkpoint
 
-    wanted: list[Any] = [StepBoundaryHook(), ConsistencyGuard()]
+    wanted: list[Any] = [StepBoundaryHook()]
     if under_launcher():
         wanted.append(RendezvousCallback())
+    # After the rendezvous callback: it captures the boundary state before the step's first collective (a periodic
+    # proof is one), so a peer dying in the proof leaves the survivors that step's state.
+    wanted.append(ConsistencyGuard())
     for callback in wanted:
         if any(isinstance(cb, type(callback)) for cb in trainer.callbacks):
             continue

@@ -128,14 +128,16 @@ class RendezvousCallback(Callback):
             return
         if latest <= strategy.generation:
             return
+        handoff = stash
+        handoff.generation, handoff.phase_started = latest, time.perf_counter()
+        handoff.seconds.update(detect=detect, agree=agree)
+        # Before the commit: the save hooks prove the state (a collective that may refuse it), and joiners admitted by
+        # the commit must not wait for holders that roll back instead.
+        run_save_hooks(trainer, handoff)
         if trainer.global_rank == 0:  # the agreed number is rank 0's: joiners waiting for admission read it
             open_generation_store(read_generation(self._client, latest), os.environ[ENV_NODE_ID],
                                   int(os.environ["LOCAL_RANK"]), strategy.timeout)
             commit_generation(self._client, latest)
-        handoff = stash
-        handoff.generation, handoff.phase_started = latest, time.perf_counter()
-        handoff.seconds.update(detect=detect, agree=agree)
-        run_save_hooks(trainer, handoff)
         show_migration(trainer, f"migrating (generation {latest})")
         strategy.pending_handoff = handoff
         trainer.should_stop = True
@@ -164,11 +166,11 @@ class RendezvousCallback(Callback):
         latest = int(agreed.item())
         if latest <= strategy.generation or strategy.last_boundary is None:
             return
-        if trainer.global_rank == 0:
-            commit_generation(self._client, latest)
         handoff = strategy.last_boundary
         handoff.generation, handoff.phase_started = latest, time.perf_counter()
-        run_save_hooks(trainer, handoff)
+        run_save_hooks(trainer, handoff)  # before the commit, as at a step boundary
+        if trainer.global_rank == 0:
+            commit_generation(self._client, latest)
         strategy.pending_handoff = handoff
         if trainer.global_rank == 0:
             log.warning("generation %d joined as training ended: handing it the final state", latest)
