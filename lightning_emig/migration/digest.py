@@ -12,8 +12,8 @@ index ``0 .. R-1`` (the rank's position among the ranks holding the same piece);
 ``j`` of a vector of ``L = world / pp`` slots with ``j = index mod R`` (``R`` divides ``L``: it is a product of mesh
 degrees). After a SUM over all ranks, every slot holds the full digest, once per tensor, *read from a different
 replica*: slots that differ mean replicas that differ. One all-reduce of ``L`` integers checks both. A plain (not
-DTensor) buffer may differ between ranks by design (BatchNorm's running statistics without SyncBatchNorm): it is left
-out of the digest.
+DTensor) buffer may differ between ranks by design (BatchNorm's running statistics without SyncBatchNorm): its first
+replica's value is added to every slot, counted and never compared.
 
 Not a cryptographic hash: a guard against state that silently went wrong (a replica that missed an update, a shard
 restored from another step, a transfer that wrote the wrong place), cheap enough to run every few hundred steps.
@@ -47,20 +47,25 @@ def replica_slots(state: Mapping[str, StateTensor], layout: HybridLayout, rank: 
         holding = sharding.holding_of_rank(rank)
         if holding is None or holding.is_empty:
             continue
-        if _per_rank(key, tensor):
-            continue
         replicas = sharding.replica_ranks(rank)
         index = replicas.index(rank)
+        per_rank = _per_rank(key, tensor)
+        if per_rank and index > 0:
+            continue
         local_sum = torch.zeros((), dtype=torch.int64, device=device)
         for piece in holding.pieces:
             local_sum += _piece_sum(tensor.local, piece, tensor.spec.global_shape, _salt(key)).to(device)
-        slots[index::len(replicas)] += local_sum
+        if per_rank:  # the first replica's value in every slot: in the digest, never compared
+            slots += local_sum
+        else:
+            slots[index::len(replicas)] += local_sum
     return slots
 
 
 def _per_rank(key: str, tensor: StateTensor) -> bool:
     """A buffer that is not a DTensor may legitimately differ between ranks (BatchNorm's running statistics without
-    SyncBatchNorm, a per-rank counter), and a change may keep any rank's: it is left out of the digest."""
+    SyncBatchNorm, a per-rank counter): the digest counts its first replica's value and does not compare the others
+    (a buffer sharded under one layout and plain under another counts the same under both)."""
     return key.startswith("buffer/") and not tensor.spec.placements
 
 
