@@ -64,12 +64,10 @@ def prove_state(state: dict[str, StateTensor], layout: HybridLayout, *, rank: in
     the error. Every rank of the default process group calls it at the same point."""
     facts = torch.tensor([step, data_offset, generation, _layout_code(layout)], dtype=torch.int64, device=device)
     slots = replica_slots(state, layout, rank, device)
+    extremes = torch.cat([facts, -facts])  # one MAX gives every fact's highest and lowest value
     if dist.is_initialized() and dist.get_world_size() > 1:
-        extremes = torch.cat([facts, -facts])
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
         dist.all_reduce(slots)
-    else:
-        extremes = torch.cat([facts, -facts])
     highest, lowest = extremes[:4].tolist(), [-v for v in extremes[4:].tolist()]
     disagree = [f"{name} {low}..{high}" for name, low, high in
                 zip(("step", "data offset", "generation", "layout"), lowest, highest, strict=True) if low != high]

@@ -28,6 +28,7 @@ from typing_extensions import override
 from lightning_emig.consistency import InconsistentStateError, StateProof, check_same_state, prove_state
 from lightning_emig.membership.handoff import LIVE_CHECKPOINT
 from lightning_emig.migration.state import training_state
+from lightning_emig.strategy.boundary import at_step_boundary
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +91,6 @@ class ConsistencyGuard(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        from lightning_emig.strategy.boundary import at_step_boundary
-
         every = getattr(trainer.strategy, "consistency_every_n_steps", 0)
         if every and trainer.global_step % every == 0 and at_step_boundary(trainer) and not _handing_over(trainer):
             prove(trainer, "at the periodic check")

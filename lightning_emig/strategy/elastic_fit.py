@@ -55,7 +55,12 @@ from lightning_emig.launcher.generation import (
 )
 from lightning_emig.membership.admission import LeftOutError, announce_training_done
 from lightning_emig.membership.below_min import wait_for_enough_nodes
-from lightning_emig.membership.failure import RECOVERY_ATTEMPTS, Rollback, is_peer_failure, recover_from_failure
+from lightning_emig.membership.failure import (
+    RECOVERY_ATTEMPTS,
+    Rollback,
+    is_peer_failure,
+    recover_from_failure,
+)
 from lightning_emig.membership.group import enter_generation, joining_live, under_launcher
 from lightning_emig.membership.handoff import LIVE_CHECKPOINT, LiveHandoff
 from lightning_emig.strategy.rebuild import drop_model
