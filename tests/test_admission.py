@@ -17,15 +17,19 @@ import torch.distributed as dist
 
 from lightning_emig.launcher.generation import (
     LEFT_OUT_EXIT_CODE,
+    NO_HOLDERS_EXIT_CODE,
     GenerationError,
     NodeEntry,
+    holding_key,
     leaving_key,
     publish_generation,
     read_generation,
     ready_key,
 )
+from lightning_emig.launcher.heartbeat import HeartbeatWatch, holders_alive
 from lightning_emig.membership.admission import (
     LeftOutError,
+    NoHoldersError,
     PreemptedBeforeAdmissionError,
     active_generation,
     await_admission,
@@ -40,6 +44,11 @@ def _publish(store: dist.Store, *nodes: tuple[str, bool]) -> int:
                                     master_port=1, rendezvous_seconds=0.0)
     assert generation is not None
     return generation
+
+
+def _patient(store: dist.Store) -> HeartbeatWatch:
+    """A watch that judges no holder gone (these tests are about the generations, not the heartbeats)."""
+    return HeartbeatWatch(store, timeout_s=3600)
 
 
 @pytest.fixture
@@ -67,7 +76,7 @@ def test_a_joiner_forms_the_generation_the_holders_commit_to_not_the_one_it_was_
     store = two_joins_apart
     formed: list[int] = []
     waiter = threading.Thread(target=lambda: formed.append(
-        await_admission(store, "b", 0, started_in=1, timeout_s=30, poll_s=0.01)))
+        await_admission(store, "b", 0, started_in=1, timeout_s=30, poll_s=0.01, holders=_patient(store))))
     waiter.start()
     while not store.check([ready_key("b", 0)]):  # B announces itself ready before it waits
         threading.Event().wait(0.01)
@@ -84,7 +93,7 @@ def test_a_joiner_the_holders_went_on_without_is_left_out_and_its_agent_rejoins(
     survivors = _publish(store, ("a", True))  # e.g. a drain published A's own generation after both rounds
     commit_generation(store, survivors)
     with pytest.raises(LeftOutError) as left_out:
-        await_admission(store, "c", 0, started_in=2, timeout_s=30, poll_s=0.01)
+        await_admission(store, "c", 0, started_in=2, timeout_s=30, poll_s=0.01, holders=_patient(store))
     assert left_out.value.code == LEFT_OUT_EXIT_CODE
     assert not store.check([ready_key("c", 0)])  # a process on its way out is not ready
 
@@ -94,24 +103,52 @@ def test_a_joiner_whose_node_is_preempted_before_admission_exits_0(two_joins_apa
     store = two_joins_apart
     store.set(leaving_key("c"), '{"deadline": 0}')
     with pytest.raises(PreemptedBeforeAdmissionError) as left:
-        await_admission(store, "c", 0, started_in=2, timeout_s=30, poll_s=0.01)
+        await_admission(store, "c", 0, started_in=2, timeout_s=30, poll_s=0.01, holders=_patient(store))
     assert left.value.code == 0
     assert not store.check([ready_key("c", 0)])
     commit_generation(store, 2)  # admitted before it saw the notice: it forms the generation (and hands off later)
-    assert await_admission(store, "c", 0, started_in=2, timeout_s=30, poll_s=0.01) == 2
+    assert await_admission(store, "c", 0, started_in=2, timeout_s=30, poll_s=0.01, holders=_patient(store)) == 2
 
 
 def test_a_joiner_that_is_never_admitted_says_what_it_waited_for(two_joins_apart) -> None:
     with pytest.raises(GenerationError, match="started into generation 2, ready, and no generation including this "
                                               r"worker .* within 0s \(latest they committed to: 0\)"):
-        await_admission(two_joins_apart, "c", 0, started_in=2, timeout_s=0.2, poll_s=0.01)
+        await_admission(two_joins_apart, "c", 0, started_in=2, timeout_s=0.2, poll_s=0.01,
+                        holders=_patient(two_joins_apart))
+
+
+def test_a_joiner_with_no_holder_left_exits_for_a_restart_from_the_checkpoint(two_joins_apart) -> None:
+    """Every worker of the generation the holders committed to stopped beating ``holds/``: nobody is left to admit
+    the joiner, whose agent then restarts the job from its newest checkpoint (the etcd hang of issue 34)."""
+    store, now = two_joins_apart, [0.0]
+    watch = HeartbeatWatch(store, timeout_s=5, clock=lambda: now[0])
+    store.set(holding_key("a", 0), "1.0")  # A, the holder of committed generation 0, beat once
+    assert holders_alive(store, watch)
+    now[0] = 4.0
+    assert holders_alive(store, watch)  # not stale yet
+    store.set(holding_key("a", 0), "2.0")  # and beats again: alive however long it has been
+    now[0] = 8.0
+    assert holders_alive(store, watch)
+    store.set(holding_key("c", 0), "1.0")  # a fresh worker's ``holds/`` of another node keeps nobody alive
+    now[0] = 13.5
+    assert not holders_alive(store, watch)
+    with pytest.raises(NoHoldersError) as gone:
+        await_admission(store, "c", 0, started_in=2, timeout_s=30, poll_s=0.01, holders=watch)
+    assert gone.value.code == NO_HOLDERS_EXIT_CODE
+    assert not store.check([ready_key("c", 0)])
+    commit_generation(store, 1)  # the holders had formed generation 1 (A, B): both beat
+    store.set(holding_key("a", 0), "3.0")
+    store.set(holding_key("b", 0), "1.0")
+    assert holders_alive(store, watch)
+    now[0] = 19.0  # both stopped at once: each is judged from its first read, not from when the other went stale
+    assert not holders_alive(store, watch)
 
 
 def test_the_agent_rejoins_only_when_every_failed_worker_was_left_out() -> None:
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from lightning_emig.launcher.agent import _left_out
+    from lightning_emig.launcher.agent import _all_exited_with
 
     def failed(*codes: int) -> RunResult:
         failures = {}
@@ -121,10 +158,11 @@ def test_the_agent_rejoins_only_when_every_failed_worker_was_left_out() -> None:
             failures[rank] = failure
         return RunResult(state=WorkerState.FAILED, failures=failures)
 
-    assert _left_out(failed(LEFT_OUT_EXIT_CODE, LEFT_OUT_EXIT_CODE))
-    assert not _left_out(failed(LEFT_OUT_EXIT_CODE, 1))
-    assert not _left_out(failed(-9))
-    assert not _left_out(RunResult(state=WorkerState.FAILED))
+    assert _all_exited_with(failed(LEFT_OUT_EXIT_CODE, LEFT_OUT_EXIT_CODE), LEFT_OUT_EXIT_CODE)
+    assert not _all_exited_with(failed(LEFT_OUT_EXIT_CODE, 1), LEFT_OUT_EXIT_CODE)
+    assert not _all_exited_with(failed(-9), LEFT_OUT_EXIT_CODE)
+    assert _all_exited_with(failed(NO_HOLDERS_EXIT_CODE), NO_HOLDERS_EXIT_CODE)
+    assert not _all_exited_with(RunResult(state=WorkerState.FAILED), LEFT_OUT_EXIT_CODE)
 
 
 def test_a_failed_node_sees_the_survivors_go_on_without_it_even_past_an_overlapping_round() -> None:

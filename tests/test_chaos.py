@@ -31,15 +31,19 @@ import pytest
 from lightning_emig.testing.chaos import (
     HOST,
     REUSE_AFTER_S,
+    Backend,
     ChaosRun,
     ChaosSettings,
     ScheduleSpec,
     has_burst,
+    has_dip_in_recovery,
+    has_kill_in_recovery,
     has_overlap,
     initial_nodes,
     make_schedule,
 )
 from lightning_emig.testing.chaos_checks import ChaosResult, check_run, unexcused_failed_saves
+from lightning_emig.testing.etcd import etcd_server, has_etcd
 from lightning_emig.testing.nodes import REPO, start_reference
 
 SEEDS = [int(s) for s in os.environ.get("LIGHTNING_EMIG_CHAOS_SEEDS", "1").split(",")]
@@ -56,11 +60,11 @@ def _train(max_steps: int) -> tuple[str, ...]:
             "elastic.heartbeat_timeout_s=5")
 
 
-def _play(out_dir: Path, spec: ScheduleSpec, max_steps: int, base_args: tuple[str, ...] | None = None
-          ) -> tuple[ChaosResult, ChaosRun]:
+def _play(out_dir: Path, spec: ScheduleSpec, max_steps: int, base_args: tuple[str, ...] | None = None,
+          etcd_endpoint: str | None = None) -> tuple[ChaosResult, ChaosRun]:
     schedule = make_schedule(spec)
     settings = ChaosSettings(base_args=base_args or _train(max_steps), min_nodes=spec.min_nodes,
-                             max_nodes=spec.max_nodes, max_restarts=spec.max_restarts)
+                             max_nodes=spec.max_nodes, max_restarts=spec.max_restarts, etcd_endpoint=etcd_endpoint)
     run = ChaosRun(out_dir, schedule, settings)
     start_reference(out_dir, settings.base_args)  # check_run compares with it
     run.run()  # stops every process it started, whatever happens
@@ -72,18 +76,19 @@ def _play(out_dir: Path, spec: ScheduleSpec, max_steps: int, base_args: tuple[st
 # --- the schedule --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("backend", ["c10d", "etcd"])
 @pytest.mark.parametrize("seed", range(20))
 @pytest.mark.parametrize("events", [12, 32])
-def test_a_schedule_keeps_the_jobs_limits(seed: int, events: int) -> None:
-    spec = ScheduleSpec(seed=seed, events=events)
+def test_a_schedule_keeps_the_jobs_limits(seed: int, events: int, backend: Backend) -> None:
+    spec = ScheduleSpec(seed=seed, events=events, backend=backend)
     schedule = make_schedule(spec)
     assert schedule == make_schedule(spec), "the same seed draws another schedule"
     assert len(schedule) == events and has_burst(schedule) and has_overlap(schedule)
+    assert has_kill_in_recovery(schedule) and has_dip_in_recovery(schedule, spec.min_nodes)
     live = dict(initial_nodes(spec.min_nodes))  # name -> address
     ever, kills, left_at, clock = set(live), dict.fromkeys(live, 0), {}, 0.0
     for before, event in zip([None, *schedule], schedule, strict=False):
         clock += event.delay_s
-        assert event.node != HOST, "the store's host was acted on"
         if before is not None and len(live) < spec.min_nodes:
             assert event.kind == "join", f"below MIN and no join next: {before}, then {event}"
         if event.kind == "join":
@@ -98,9 +103,15 @@ def test_a_schedule_keeps_the_jobs_limits(seed: int, events: int) -> None:
             kills[event.node] += 1
             assert kills[event.node] <= spec.max_restarts, f"{event.node} has no restart left"
         if event.kind in ("preempt", "kill_node"):
+            assert backend == "etcd" or event.node != HOST, "the c10d store's host left"
             left_at[live.pop(event.node)] = clock
-        assert 1 <= len(live) <= spec.max_nodes and HOST in live
+        assert 1 <= len(live) <= spec.max_nodes
     assert len(live) >= spec.min_nodes, "the job ends below MIN"
+    host_events = {e.kind for e in schedule if e.node == HOST}
+    if backend == "etcd":
+        assert host_events & {"preempt", "kill_node"}, "the node started first never left"
+    else:
+        assert "kill_worker" in host_events, "the store host's worker was never killed"
 
 
 # --- the runs ------------------------------------------------------------------------------------------------------
@@ -116,6 +127,19 @@ def test_a_seeded_chaos_schedule(tmp_path: Path, seed: int) -> None:
     # steps 98, 215, 106 on a 2-core machine): 300 steps outlast it (the run check says so if they do not) and keep
     # the test, and the reference run it is compared with, short.
     result, run = _play(tmp_path, ScheduleSpec(seed=seed, events=12, gap_s=(3.0, 8.0)), max_steps=300)
+    assert result.ok, result.explain(run)
+
+
+@pytest.mark.long  # the same schedules as above; node a (started first) leaves too
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(1200)
+@pytest.mark.skipif(not has_etcd(), reason="needs the etcd extra: pip install '.[etcd]'")
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_seeded_chaos_schedule_over_etcd(tmp_path: Path, seed: int) -> None:
+    spec = ScheduleSpec(seed=seed, events=12, gap_s=(3.0, 8.0), backend="etcd")
+    with etcd_server() as endpoint:
+        result, run = _play(tmp_path, spec, max_steps=300, etcd_endpoint=endpoint)
     assert result.ok, result.explain(run)
 
 

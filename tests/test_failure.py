@@ -72,7 +72,7 @@ def test_peer_failures_are_told_from_bugs() -> None:
 _BUSY_HEARTBEAT_THEN_EXIT = """
 import time
 from lightning_emig.launcher.heartbeat import start_heartbeat
-beat = start_heartbeat(1e-4)  # the thread is nearly always inside a store call
+beat = start_heartbeat(1e-4, 10.0)  # the thread is nearly always inside a store call
 time.sleep(0.2)
 assert beat.running
 """
@@ -289,8 +289,9 @@ ADDRESSES_4 = {"a": "127.0.0.2", "b": "127.0.0.3", "c": "127.0.0.4", "d": "127.0
 class _HeldRun:
     """Up to four nodes with rank 0 held at given steps (``held_train``), for failures at chosen worlds."""
 
-    def __init__(self, tmp_path: Path, args: list[str], hold_at: str, rdzv_id: str) -> None:
+    def __init__(self, tmp_path: Path, args: list[str], hold_at: str, rdzv_id: str, max_restarts: int = 0) -> None:
         self.tmp_path, self.run_dir, self.args, self.rdzv_id = tmp_path, tmp_path / "run", args, rdzv_id
+        self.max_restarts = max_restarts
         self.port = free_port()
         self.env = {"LIGHTNING_EMIG_TEST_HOLD_AT_STEPS": hold_at, "LIGHTNING_EMIG_TEST_HOLD_DIR": str(tmp_path),
                     "LIGHTNING_EMIG_TEST_HOLD_STEPS_FOR_JOINERS": "1"}
@@ -300,7 +301,7 @@ class _HeldRun:
         self.agents[name] = start_node(
             self.tmp_path, name, local_addr=ADDRESSES_4[name], port=self.port, run_dir=self.run_dir, nnodes="2:4",
             rdzv_id=self.rdzv_id, rdzv_conf=f"is_host={str(name == 'a').lower()}", train_args=self.args,
-            module="lightning_emig.testing.held_train", env=self.env)
+            module="lightning_emig.testing.held_train", env=self.env, max_restarts=self.max_restarts)
 
     def logs(self, chars: int = 6000) -> str:
         """The last ``chars`` of every node's log."""
@@ -434,3 +435,55 @@ def test_failures_at_a_world_of_four_without_replicas_and_three_with_them(tmp_pa
     assert [(e["old_world"], e["new_world"], e["step"], e["steps_rolled_back"]) for e in events] == [
         (4, 3, 40, 5), (3, 2, 70, 0)], events
     assert [e["old_layout"]["dp_replicate"] for e in events] == [1, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_when_every_holder_of_the_live_state_is_gone_the_next_generation_resumes_from_the_checkpoint(
+        tmp_path: Path) -> None:
+    """Issue 34's etcd hang, on c10d: A and B (``layout=hsdp``) hold the state, rank 0 held at step 12; C joins and
+    waits for admission; then A's and B's workers are killed. Nobody is left to admit C: within the heartbeat
+    timeout C's worker exits for a restart, A's and B's agents stop waiting for survivors, and the three nodes form
+    one generation that resumes from the step-10 checkpoint — every rank alike, one ``restart`` event — and finish
+    on the uninterrupted run's loss curve (steps 10 and 11, trained twice, both times)."""
+    from lightning_emig.testing.nodes import reference_losses
+    from lightning_emig.training.step_times import read_step_times
+
+    steps, layout = 30, ["layout=hsdp", "elastic.heartbeat_timeout_s=5", "elastic.heartbeat_interval_s=0.5"]
+    start_reference(tmp_path, _args(steps, []))
+    run = _HeldRun(tmp_path, [*_args(steps, []), *layout], "12", "no-holder", max_restarts=1)
+    try:
+        run.start("a")
+        run.start("b")
+        run.held_at(12)
+        run.start("c")
+        wait_for(lambda: "waits for admission" in _log(tmp_path, "c", 10**6), 120, f"C never waited:\n{run.logs()}")
+        for name in "ab":
+            run.kill_worker(name)
+        run.release(12)
+        codes = wait_for_exit(tmp_path, run.agents, 240)
+    finally:
+        stop_agents(run.agents)
+    assert codes == {"a": 0, "b": 0, "c": 0}, (codes, run.logs())
+    assert "NO WORKER HOLDS THE LIVE STATE" in _log(tmp_path, "c", 10**6)
+    for name in "ab":
+        assert "no worker holds the live state any more" in _log(tmp_path, name, 10**6), run.logs()
+    events = read_events(run.run_dir)
+    assert [(e["kind"], e["step"], e["new_world"]) for e in events] == [("restart", 10, 3)], events
+    reference = reference_losses(tmp_path, _args(steps, []))
+    trained = [(r["step"] - 1, r["loss"]) for r in read_step_times(run.run_dir)]
+    assert sorted({s for s, _ in trained}) == list(range(steps))
+    assert sorted(s for s, _ in trained if s in (10, 11)) == [10, 10, 11, 11]  # trained before and after the restart
+    worst = max(abs(loss - reference[str(s)]) / abs(reference[str(s)]) for s, loss in trained)
+    assert worst < REL_TOL, f"loss departs from the reference by {worst:.2e}"
+    check_ledger_after_rollback(run.run_dir, events)
+
+
+def check_ledger_after_rollback(run_dir: Path, events: list[dict]) -> None:
+    from lightning_emig.testing.ledger import check_ledger
+
+    report = check_ledger(run_dir)
+    report.assert_exactly_once()
+    rolled_back = {s for e in events for s in range(e["step"], e["step"] + (e.get("steps_rolled_back") or 0) + 1)}
+    assert set(report.rolled_back_steps) <= rolled_back, (report.describe(), events)

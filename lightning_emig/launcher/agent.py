@@ -59,6 +59,7 @@ from lightning_emig.launcher.generation import (
     ACTIVE_GENERATION_KEY,
     ENV_AGENT_PID,
     LEFT_OUT_EXIT_CODE,
+    NO_HOLDERS_EXIT_CODE,
     GenerationError,
     NodeEntry,
     agent_heartbeat_key,
@@ -75,7 +76,7 @@ from lightning_emig.launcher.generation import (
     restart_key,
     worker_env,
 )
-from lightning_emig.launcher.heartbeat import Heartbeat
+from lightning_emig.launcher.heartbeat import Heartbeat, HeartbeatWatch, heartbeat_timeout, holders_alive
 from lightning_emig.launcher.rounds import REFUSED_ROUNDS_S, ROUND_REFUSED, RoundRefusedError, holders_missing
 from lightning_emig.launcher.store_host import hosts_port
 
@@ -135,11 +136,9 @@ class _LeaveJob(Exception):  # noqa: N818 - a way out, not an error
     ``MembershipAgent.run``)."""
 
 
-def _left_out(result: RunResult) -> bool:
-    """Every failed worker exited with the code of a joiner the state holders went on without."""
-    return bool(result.failures) and all(
-        failure.exitcode == LEFT_OUT_EXIT_CODE for failure in result.failures.values()
-    )
+def _all_exited_with(result: RunResult, code: int) -> bool:
+    """Every failed worker exited with ``code`` (a joiner's: left out, or no holder left)."""
+    return bool(result.failures) and all(failure.exitcode == code for failure in result.failures.values())
 
 
 class MembershipAgent(LocalElasticAgent):
@@ -199,6 +198,7 @@ class MembershipAgent(LocalElasticAgent):
         if latest < 0 or {n.node_id for n in read_generation(control, latest).nodes} == {self.node_id}:
             return False  # this node was the whole job: nobody carries on
         deadline = time.monotonic() + self.failure_wait_s
+        holders = HeartbeatWatch(control, heartbeat_timeout(control))
         while time.monotonic() < deadline:
             without = generation_going_on_without(control, self.node_id)
             if without is not None:
@@ -206,6 +206,10 @@ class MembershipAgent(LocalElasticAgent):
                                self.node_id, without)
                 control.delete_key(dead_key(self.node_id))  # decided; a later failure must not read it again
                 return True
+            if not holders_alive(control, holders):
+                logger.error("[%s] no worker holds the live state any more (none beat for %.0fs): torchrun's "
+                             "restart path, from the newest complete checkpoint", self.node_id, holders.timeout_s)
+                return False
             time.sleep(0.2)
         logger.error("[%s] no generation without this node within %.0fs: torchrun's restart path",
                      self.node_id, self.failure_wait_s)
@@ -390,8 +394,11 @@ class MembershipAgent(LocalElasticAgent):
             # for the survivors it is a failure (marked, so they need not wait for stale heartbeats).
             self._mark_dead(worker_group)
             raise _LeaveJob("preemption notice, and this node's workers failed")
-        if result.state == WorkerState.FAILED and _left_out(result):
+        if result.state == WorkerState.FAILED and _all_exited_with(result, LEFT_OUT_EXIT_CODE):
             self._rejoin_left_out(worker_group)
+            return RunResult(state=WorkerState.HEALTHY)
+        if result.state == WorkerState.FAILED and _all_exited_with(result, NO_HOLDERS_EXIT_CODE):
+            self._restart_without_holders(worker_group)
             return RunResult(state=WorkerState.HEALTHY)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self._remaining_restarts == 0:
             self._fail_without_restart()
@@ -404,6 +411,17 @@ class MembershipAgent(LocalElasticAgent):
         logger.warning("[%s] workers left out of the generation the others formed: rejoining with fresh workers",
                        self.node_id)
         super()._restart_workers(worker_group)  # stop (they exited), rendezvous as a joining node, start
+
+    def _restart_without_holders(self, worker_group: WorkerGroup) -> None:
+        """Our joiners found no process holding the live state (:mod:`lightning_emig.membership.admission`): restart
+        the node's workers as torchrun would, with the generation marked, so that every node enters the next round
+        the same way and that generation resumes from the newest complete checkpoint. No restart is spent: nothing
+        on this node failed."""
+        assert self._control is not None
+        logger.error("[%s] nobody holds the live state any more: restarting this node's workers from the newest "
+                     "complete checkpoint", self.node_id)
+        self._control.set(restart_key(self.generation), self.node_id)
+        super()._restart_workers(worker_group)
 
     def _fail_without_restart(self) -> None:
         """Our workers failed with no torchrun restart left: this node leaves; the survivors carry on without it.

@@ -39,7 +39,8 @@ Keys under the prefix (the control store), for generation ``n``:
   workers then agree at a step boundary to hand that node's state to the survivors, its workers exit 0, and the
   survivors' lowest rank publishes the next generation without the node (``kept_workers`` on every entry).
 * ``hb/<node_id>/<local_rank>``: ``str(time.time())``, rewritten every few seconds by every worker (its heartbeat);
-  ``hb/<node_id>/agent``: the same, by every agent.
+  ``hb/<node_id>/agent``: the same, by every agent; ``holds/<node_id>/<local_rank>``: the same, by a worker only
+  while it holds the live state (once it is in a generation the holders formed).
 * ``dead/<node_id>``: written by an agent whose workers failed (abrupt failure) before it stops the node's other
   workers: the survivors need not wait for the heartbeats to go stale.
 * ``failure/<n>/...``: the survivors' agreement after a collective of generation ``n`` failed
@@ -89,6 +90,12 @@ WORKING_SET_KEY = "host_working_set"
 LEFT_OUT_EXIT_CODE = 75
 """A joiner's exit code when the state holders went on without it (``EX_TEMPFAIL``): its agent brings a fresh worker
 back in through a new round; no restart is spent (see :mod:`lightning_emig.membership.admission`)."""
+NO_HOLDERS_EXIT_CODE = 76
+"""A joiner's exit code when no process holding the live state is left to admit it: its agent restarts the node's
+workers, without spending a restart, into a round every node enters the same way, and that generation resumes from
+the newest complete checkpoint (see :mod:`lightning_emig.membership.admission`)."""
+HEARTBEAT_TIMEOUT_KEY = "heartbeat_timeout_s"
+"""The workers' ``elastic.heartbeat_timeout_s``, for the agents (they have no training configuration)."""
 GENERATION_COUNTER_KEY = "generation_counter"
 TRAINING_DONE_KEY = "training_done"
 """Set by the holders' rank 0 once training reached its end: a joiner still waiting to be admitted then exits 0
@@ -138,6 +145,12 @@ def heartbeat_key(node_id: str, local_rank: int) -> str:
 def agent_heartbeat_key(node_id: str) -> str:
     """The heartbeat of a node's agent (its workers': :func:`heartbeat_key`)."""
     return f"hb/{node_id}/agent"
+
+
+def holding_key(node_id: str, local_rank: int) -> str:
+    """A worker's second heartbeat, written only while it holds the live state (it is in the generation the holders
+    formed): a fresh worker on the same node and local rank, not admitted yet, does not write it."""
+    return f"holds/{node_id}/{local_rank}"
 
 
 def ready_key(node_id: str, local_rank: int) -> str:

@@ -23,7 +23,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lightning_emig.launcher.generation import ENV_NODE_ID, control_client_from_env, heartbeat_key
+from lightning_emig.launcher.generation import (
+    ENV_NODE_ID,
+    HEARTBEAT_TIMEOUT_KEY,
+    active_generation,
+    control_client_from_env,
+    heartbeat_key,
+    holding_key,
+    read_generation,
+)
 
 log = logging.getLogger(__name__)
 
@@ -33,22 +41,36 @@ _beating: Heartbeat | None = None
 class Heartbeat:
     """The heartbeat thread of this process (one per process, started once, runs until :meth:`stop` or exit)."""
 
-    def __init__(self, interval_s: float, key: str | None = None, client: Any = None) -> None:
+    def __init__(self, interval_s: float, key: str | None = None, client: Any = None,
+                 timeout_s: float | None = None) -> None:
         """A worker's heartbeat (key and client from the environment), or ``key`` written through ``client`` (a
-        control-store client this thread alone uses)."""
+        control-store client this thread alone uses). ``timeout_s``: published for the readers that have no
+        configuration of their own (:func:`heartbeat_timeout`)."""
         self.interval_s = interval_s
         self.key = key or heartbeat_key(os.environ[ENV_NODE_ID], int(os.environ["LOCAL_RANK"]))
         self._store_timeout_s = max(10.0, 4 * interval_s)
         self._client = client if client is not None else control_client_from_env(timeout_s=self._store_timeout_s)
         self._stopped = threading.Event()
+        self._holding_key: str | None = None
         self._thread = threading.Thread(target=self._run, name="lightning-emig-heartbeat", daemon=True)
         self._client.set(self.key, str(time.time()))
+        if timeout_s is not None:
+            self._client.set(HEARTBEAT_TIMEOUT_KEY, str(timeout_s))
         self._thread.start()
+
+    def hold(self) -> None:
+        """From now on also beat ``holds/<node_id>/<local_rank>``: this worker holds the live state (joiners waiting
+        for admission tell from it whether anyone is left to admit them). The thread writes it, from its next beat on:
+        its client is its own."""
+        self._holding_key = holding_key(os.environ[ENV_NODE_ID], int(os.environ["LOCAL_RANK"]))
 
     def _run(self) -> None:
         while not self._stopped.wait(self.interval_s):
             try:
-                self._client.set(self.key, str(time.time()))
+                now = str(time.time())
+                self._client.set(self.key, now)
+                if self._holding_key is not None:
+                    self._client.set(self._holding_key, now)
             except Exception:  # noqa: BLE001 - the control store may be gone at the very end of the job
                 log.debug("heartbeat write failed", exc_info=True)
 
@@ -64,13 +86,38 @@ class Heartbeat:
         return self._thread.is_alive()
 
 
-def start_heartbeat(interval_s: float) -> Heartbeat:
-    """Start this process's heartbeat (idempotent: later calls return the running one)."""
+def start_heartbeat(interval_s: float, timeout_s: float) -> Heartbeat:
+    """Start this process's heartbeat (idempotent: later calls return the running one), and publish the timeout its
+    readers judge it by (:func:`heartbeat_timeout`: the agents read it)."""
     global _beating
     if _beating is None:
-        _beating = Heartbeat(interval_s)
+        _beating = Heartbeat(interval_s, timeout_s=timeout_s)
         atexit.register(_beating.stop)  # before finalization ends daemon threads (see the module docstring)
     return _beating
+
+
+def heartbeat_timeout(client: Any, default_s: float = 10.0) -> float:
+    """The heartbeat timeout the job's workers were configured with (``elastic.heartbeat_timeout_s``)."""
+    return float(client.get(HEARTBEAT_TIMEOUT_KEY)) if client.check([HEARTBEAT_TIMEOUT_KEY]) else default_s
+
+
+def holders_alive(client: Any, watch: HeartbeatWatch) -> bool:
+    """Whether some worker of the generation the holders committed to last still holds the live state: its
+    ``holds/`` heartbeat (:meth:`Heartbeat.hold`) changed within the watch's timeout. True before any generation
+    was committed. Joiners waiting for admission and the agents of failed nodes ask it: when it is False, nobody is
+    left to admit anyone, and the job must resume from its newest complete checkpoint."""
+    active = active_generation(client)
+    if active < 0:
+        return True
+    members = read_generation(client, active).members
+    stale = [watch.stale_key(holding_key(node_id, local_rank)) for node_id, local_rank in members]  # each read: its
+    return not all(stale)  # timer starts at its first read, so none may wait for the others to go stale first
+
+
+def mark_holding() -> None:
+    """This worker holds the live state (see :meth:`Heartbeat.hold`); nothing without a running heartbeat."""
+    if _beating is not None:
+        _beating.hold()
 
 
 class HeartbeatWatch:

@@ -33,6 +33,12 @@ The rules:
 * a joiner still waiting when the holders' training has ended (its node joined in the last steps) exits 0
   (:class:`TrainingDoneError`): nothing is left to train, and its agent must reach the exit barrier the others
   wait at; the holders' rank 0 announces the end (:func:`announce_training_done`) once its last fit returned;
+* a joiner whose holders are all gone — every worker of the generation they committed to last has stopped beating
+  ``holds/<node_id>/<local_rank>`` (the heartbeat a worker writes only while it holds the live state) for the
+  heartbeat timeout — can never be admitted: it exits with :data:`NO_HOLDERS_EXIT_CODE`
+  (:class:`NoHoldersError`), and its agent restarts the node's workers into a round in which no node keeps any, so
+  the generation that forms next resumes from the newest complete checkpoint, all of its ranks alike
+  (:func:`holders_alive`; the agents of the nodes whose workers died judge the same way);
 * a generation with a joiner that died while starting (its agent's heartbeat stopped, or its agent marked it dead)
   can never form, and no agent publishes another unless a node joins: the holders publish their own — themselves and
   the joiners that are ready (:func:`generation_to_join`) — and go into it.
@@ -52,6 +58,7 @@ from lightning_emig.host_memory import available_bytes, peak_resident_bytes, res
 from lightning_emig.launcher.generation import (
     ACTIVE_GENERATION_KEY,
     LEFT_OUT_EXIT_CODE,
+    NO_HOLDERS_EXIT_CODE,
     TRAINING_DONE_KEY,
     WORKING_SET_KEY,
     GenerationError,
@@ -67,7 +74,7 @@ from lightning_emig.launcher.generation import (
     read_generation,
     ready_key,
 )
-from lightning_emig.launcher.heartbeat import HeartbeatWatch
+from lightning_emig.launcher.heartbeat import HeartbeatWatch, holders_alive
 from lightning_emig.membership.group import host_generation_store, keep_hosted_store
 
 log = logging.getLogger(__name__)
@@ -86,6 +93,13 @@ class PreemptedBeforeAdmissionError(SystemExit):
 
     def __init__(self) -> None:
         super().__init__(0)
+
+
+class NoHoldersError(SystemExit):
+    """No process holding the live state is left to admit this joiner: exit :data:`NO_HOLDERS_EXIT_CODE`."""
+
+    def __init__(self) -> None:
+        super().__init__(NO_HOLDERS_EXIT_CODE)
 
 
 class TrainingDoneError(SystemExit):
@@ -222,9 +236,10 @@ def commit_generation(client: dist.Store, generation: int) -> None:
 
 
 def await_admission(client: dist.Store, node_id: str, local_rank: int, *, started_in: int, timeout_s: float,
-                    poll_s: float = 0.1) -> int:
+                    holders: HeartbeatWatch, poll_s: float = 0.1) -> int:
     """A joiner whose start-up is done: announce it, then wait for the generation to form (see the module
-    docstring). Raises :class:`LeftOutError` when the holders went on without this worker."""
+    docstring). Raises :class:`LeftOutError` when the holders went on without this worker, :class:`NoHoldersError`
+    when none of them is left (judged by ``holders``, a watch with the heartbeat timeout)."""
     client.set(ready_key(node_id, local_rank), str(started_in))
     log.info("start-up done (started into generation %d): this worker waits for admission", started_in)
     deadline = time.monotonic() + timeout_s
@@ -251,6 +266,12 @@ def await_admission(client: dist.Store, node_id: str, local_rank: int, *, starte
                         "into generation %d): nothing left to train, leaving (exit 0)", started_in)
             client.delete_key(ready_key(node_id, local_rank))
             raise TrainingDoneError
+        if not holders_alive(client, holders):
+            log.error("NO WORKER HOLDS THE LIVE STATE ANY MORE (generation %d's stopped beating for %.0fs): nobody is "
+                      "left to admit this worker; its agent restarts the job's workers from the newest complete "
+                      "checkpoint", active, holders.timeout_s)
+            client.delete_key(ready_key(node_id, local_rank))
+            raise NoHoldersError
         if time.monotonic() > deadline:
             raise GenerationError(
                 f"started into generation {started_in}, ready, and no generation including this worker was formed "

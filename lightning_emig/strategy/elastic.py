@@ -52,7 +52,7 @@ from lightning_emig.launcher.generation import (
     control_client_from_env,
     read_generation,
 )
-from lightning_emig.launcher.heartbeat import start_heartbeat
+from lightning_emig.launcher.heartbeat import HeartbeatWatch, mark_holding, start_heartbeat
 from lightning_emig.launcher.orphans import die_with_parent
 from lightning_emig.layout import HybridLayout, LayoutMesh, MeshAxis, build_mesh
 from lightning_emig.membership.admission import LeftOutError, await_admission, memory_to_warm
@@ -382,10 +382,11 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             die_with_parent(expected_parent=int(os.environ.get(ENV_AGENT_PID, os.getppid())))  # no orphan workers
             if self.root_device.type == "cpu":
                 keep_freed_host_memory()  # each step reuses the last one's pages (see lightning_emig.host_memory)
-            start_heartbeat(self.failure_settings.heartbeat_interval_s)
+            start_heartbeat(self.failure_settings.heartbeat_interval_s, self.failure_settings.heartbeat_timeout_s)
         self._form_generation_group()
         # Skip ModelParallelStrategy's 2-D mesh: ours is built from the layout.
         self._setup_distributed()
+        mark_holding()  # in the generation the holders form: a holder from now on (see membership.admission)
         settings = self.elastic_settings
         if settings.picker is not None:
             self.layout_choice = self._agreed_choice(settings)
@@ -450,8 +451,9 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         if joiner:
             self._warm_before_joining(client)
             patience = self.timeout.total_seconds() + self.failure_settings.failure_timeout_s
+            holders = HeartbeatWatch(client, self.failure_settings.heartbeat_timeout_s)
             self.generation = await_admission(client, node_id, local_rank, started_in=self.generation,
-                                              timeout_s=patience)
+                                              timeout_s=patience, holders=holders)
         backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
         try:
             enter_generation(read_generation(client, self.generation), node_id, local_rank, backend, self.timeout)

@@ -6,10 +6,13 @@ Three parts, used by ``tests/test_chaos.py`` (the first two here):
   ``preempt`` (an announced notice: SIGTERM to the agent, or the agent's ``LIGHTNING_EMIG_PREEMPT_FILE``
   appearing), ``kill_worker`` (SIGKILL of a node's worker; its agent rejoins with a fresh one, using one of
   ``--max-restarts``) and ``kill_node`` (SIGKILL of the agent and its worker). Every schedule holds bursts (events
-  less than :data:`BURST_S` apart) and overlapping rounds (a join while the previous joiner is still starting), and
-  respects the job's limits: node ``a`` hosts the c10d rendezvous store (``is_host=true``) and is never acted on —
-  with the c10d backend losing it ends the job, a documented limitation — so the job never drops to zero nodes; it
-  never counts more than MAX nodes; after a dip below MIN the next event is a join, and it ends with at least MIN.
+  less than :data:`BURST_S` apart), overlapping rounds (a join while the previous joiner is still starting), a kill
+  while the previous kill is being recovered from, a departure that takes the job below MIN during a failure's
+  recovery, and a kill of node ``a``'s worker; it respects the job's limits: with the c10d backend node ``a`` hosts the
+  rendezvous store (``is_host=true``) and never leaves (losing it ends the job, a documented limitation; its *worker*
+  is killed like any other); with etcd no node is special and ``a``, the node started first, leaves in every
+  schedule. The job never drops to zero nodes, never counts more than MAX; after a dip below MIN the next event is a
+  join, and it ends with at least MIN.
   A node that left can come back only as a fresh agent (a new name; its address is reused once its processes are
   gone).
 * :class:`ChaosRun`: starts the nodes, plays the schedule against wall time, waits for training to finish and, in
@@ -39,9 +42,10 @@ from lightning_emig.testing.nodes import log_tail, start_node
 from lightning_emig.training.step_times import read_step_times
 
 Kind = Literal["join", "preempt", "kill_worker", "kill_node"]
+Backend = Literal["c10d", "etcd"]
 
 HOST = "a"
-"""The node that hosts the rendezvous store: started first, never acted on."""
+"""The node started first: with c10d it hosts the rendezvous store and never leaves (its worker may be killed)."""
 HOST_ADDRESS = "127.0.0.2"
 ADDRESSES = tuple(f"127.0.0.{i}" for i in range(3, 10))
 """Loopback addresses of the other nodes (b .. h)."""
@@ -86,6 +90,8 @@ class ScheduleSpec:
     addresses: tuple[str, ...] = ADDRESSES
     gap_s: tuple[float, float] = (5.0, 12.0)
     """Range of an ordinary gap between events (long enough for most changes to land)."""
+    backend: Backend = "c10d"
+    """``etcd``: node ``a`` is like any other (it may be preempted or killed, and is, in every schedule)."""
 
 
 @dataclass(slots=True)
@@ -120,13 +126,19 @@ class _Plan:
         return [a for a in self.spec.addresses
                 if a not in used and self.clock_s - self.left_at.get(a, -REUSE_AFTER_S) >= REUSE_AFTER_S]
 
+    def leavable(self) -> list[str]:
+        """Nodes that may leave now: never the last one, never the c10d store's host."""
+        if len(self.live) < 2:
+            return []
+        return sorted(n for n in self.live if n != HOST or self.spec.backend == "etcd")
+
     def feasible(self) -> list[Kind]:
         """Kinds the job allows now (a join only below MIN: the job must not stay there)."""
-        count = len(self.live) + 1  # + the host
+        count = len(self.live)
         if count < self.spec.min_nodes:
             return ["join"]
         kinds: list[Kind] = ["join"] if count < self.spec.max_nodes and self.free_addresses() else []
-        if self.live:
+        if self.leavable():
             kinds += ["preempt", "kill_node"]
         if any(n.restarts_left for n in self.live.values()):
             kinds.append("kill_worker")
@@ -134,7 +146,7 @@ class _Plan:
 
 
 def initial_nodes(min_nodes: int, addresses: Sequence[str] = ADDRESSES) -> list[tuple[str, str]]:
-    """(name, address) of the nodes started before the schedule: the host, then MIN - 1 others."""
+    """(name, address) of the nodes started before the schedule: ``a``, then MIN - 1 others."""
     return [(HOST, HOST_ADDRESS)] + [(f"{chr(ord('b') + i)}1", addresses[i]) for i in range(min_nodes - 1)]
 
 
@@ -143,15 +155,16 @@ def make_schedule(spec: ScheduleSpec) -> list[ChaosEvent]:
     overlapping join, every kind of event, and ends with at least MIN nodes."""
     if spec.min_nodes < 1 or spec.max_nodes < spec.min_nodes or spec.max_nodes - 1 > len(spec.addresses):
         raise ValueError(f"cannot schedule {spec.min_nodes}:{spec.max_nodes} nodes on {len(spec.addresses)} addresses")
-    for attempt in range(1000):
+    for attempt in range(5000):
         events = _draw(spec, random.Random(f"{spec.seed}-{attempt}"))
-        if events is not None and _has_everything(events):
+        if events is not None and _has_everything(events, spec):
             return events
     raise ValueError(f"no schedule of {spec.events} events holds every pattern; ask for more events")
 
 
 def _draw(spec: ScheduleSpec, rng: random.Random) -> list[ChaosEvent] | None:
     plan = _Plan(spec)
+    plan.live[HOST] = _Node(HOST, HOST_ADDRESS, spec.max_restarts)
     for _, address in initial_nodes(spec.min_nodes, spec.addresses)[1:]:
         plan.start(address)
     for index in range(spec.events):
@@ -160,7 +173,7 @@ def _draw(spec: ScheduleSpec, rng: random.Random) -> list[ChaosEvent] | None:
         kinds = plan.feasible()
         kind = rng.choices(kinds, weights=[WEIGHTS[k] for k in kinds])[0]
         plan.events.append(_apply(plan, kind, rng, gap))
-    return plan.events if len(plan.live) + 1 >= spec.min_nodes else None
+    return plan.events if len(plan.live) >= spec.min_nodes else None
 
 
 def _gap(spec: ScheduleSpec, rng: random.Random, *, first: bool) -> float:
@@ -182,15 +195,51 @@ def _apply(plan: _Plan, kind: Kind, rng: random.Random, delay_s: float) -> Chaos
         node = plan.live[rng.choice(sorted(n for n, v in plan.live.items() if v.restarts_left))]
         node.restarts_left -= 1
         return ChaosEvent("kill_worker", node.name, node.address, delay_s)
-    node = plan.live.pop(rng.choice(sorted(plan.live)))
+    node = plan.live.pop(rng.choice(plan.leavable()))
     plan.left_at[node.address] = plan.clock_s
     notice = rng.choice(["sigterm", "file"]) if kind == "preempt" else ""
     return ChaosEvent(kind, node.name, node.address, delay_s, notice)  # type: ignore[arg-type]
 
 
-def _has_everything(events: Sequence[ChaosEvent]) -> bool:
+def _has_everything(events: Sequence[ChaosEvent], spec: ScheduleSpec) -> bool:
     kinds = {e.kind for e in events}
-    return kinds == {"join", "preempt", "kill_worker", "kill_node"} and has_burst(events) and has_overlap(events)
+    host_acted_on = {e.kind for e in events if e.node == HOST}
+    host_pattern = host_acted_on & {"preempt", "kill_node"} if spec.backend == "etcd" else "kill_worker" in host_acted_on
+    return (kinds == {"join", "preempt", "kill_worker", "kill_node"} and has_burst(events) and has_overlap(events)
+            and has_kill_in_recovery(events) and has_dip_in_recovery(events, spec.min_nodes) and bool(host_pattern))
+
+
+def _within(events: Sequence[ChaosEvent], first: int, seconds: float) -> list[ChaosEvent]:
+    """The events that follow ``events[first]`` by less than ``seconds``."""
+    later, elapsed = [], 0.0
+    for event in events[first + 1:]:
+        elapsed += event.delay_s
+        if elapsed >= seconds:
+            break
+        later.append(event)
+    return later
+
+
+def has_kill_in_recovery(events: Sequence[ChaosEvent]) -> bool:
+    """A kill that lands while the job still recovers from the previous one (less than :data:`STARTING_S` later)."""
+    kills = ("kill_worker", "kill_node")
+    return any(e.kind in kills and any(f.kind in kills for f in _within(events, i, STARTING_S))
+               for i, e in enumerate(events))
+
+
+def has_dip_in_recovery(events: Sequence[ChaosEvent], min_nodes: int) -> bool:
+    """A departure that takes the job below MIN while it recovers from a kill (less than :data:`STARTING_S` later)."""
+    count, below = min_nodes, []  # below[i]: the job is below MIN after event i
+    for event in events:
+        count += {"join": 1, "preempt": -1, "kill_node": -1}.get(event.kind, 0)
+        below.append(count < min_nodes)
+    for i, event in enumerate(events):
+        if event.kind not in ("kill_worker", "kill_node"):
+            continue
+        later = _within(events, i, STARTING_S)
+        if any(f.kind in ("preempt", "kill_node") and below[i + 1 + j] for j, f in enumerate(later)):
+            return True
+    return False
 
 
 def has_burst(events: Sequence[ChaosEvent]) -> bool:
@@ -199,17 +248,8 @@ def has_burst(events: Sequence[ChaosEvent]) -> bool:
 
 def has_overlap(events: Sequence[ChaosEvent]) -> bool:
     """A join that follows another join by less than :data:`STARTING_S` (the first joiner is still starting)."""
-    for i, event in enumerate(events):
-        if event.kind != "join":
-            continue
-        elapsed = 0.0
-        for later in events[i + 1:]:
-            elapsed += later.delay_s
-            if elapsed >= STARTING_S:
-                break
-            if later.kind == "join":
-                return True
-    return False
+    return any(e.kind == "join" and any(f.kind == "join" for f in _within(events, i, STARTING_S))
+               for i, e in enumerate(events))
 
 
 # --- the run -------------------------------------------------------------------------------------------------------
@@ -232,6 +272,9 @@ class ChaosSettings:
     reuse_timeout_s: float = 120.0
     """How long a join waits for the previous agent on its address to be gone."""
     env: tuple[tuple[str, str], ...] = (("LIGHTNING_EMIG_GRACE_S", "120"),)
+    etcd_endpoint: str | None = None
+    """``host:port`` of an etcd server: the job rendezvouses over ``etcd-v2`` (no node hosts the store); else c10d on
+    node ``a``."""
 
 
 @dataclass(slots=True)
@@ -313,7 +356,9 @@ class ChaosRun:
         self.agents[name] = start_node(
             self.out_dir, name, local_addr=address, port=self.port, run_dir=self.run_dir,
             train_args=[*s.base_args, *s.elastic_args], nnodes=f"{s.min_nodes}:{s.max_nodes}", rdzv_id="chaos",
-            rdzv_conf=f"is_host={str(name == HOST).lower()}", max_restarts=s.max_restarts,
+            rdzv_conf=f"is_host={str(name == HOST).lower()}" if s.etcd_endpoint is None else "",
+            rdzv_backend="c10d" if s.etcd_endpoint is None else "etcd-v2", rdzv_endpoint=s.etcd_endpoint,
+            max_restarts=s.max_restarts,
             env={**dict(s.env), "LIGHTNING_EMIG_PREEMPT_FILE": str(self._preempt_file(name))},
         )
 
@@ -367,7 +412,7 @@ class ChaosRun:
         where = f"before event {len(self.played)} ({event.describe()})"
         if (self.run_dir / "summary.json").exists():
             raise RuntimeError(f"harness: training finished {where}; raise trainer.max_steps for this machine")
-        if self.agents[HOST].poll() is not None:
+        if self.settings.etcd_endpoint is None and self.agents[HOST].poll() is not None:
             raise RuntimeError(f"the host's agent exited ({self.agents[HOST].returncode}) {where}: the job is over")
 
     def _all_exited(self) -> bool:

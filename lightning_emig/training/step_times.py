@@ -1,9 +1,11 @@
 """Wall-clock time of every optimizer step, and the ``restart`` event of the restart path.
 
 :class:`StepTimeRecorder` (global rank 0) appends one JSON line per optimizer step to ``<run_dir>/step_times.jsonl``:
-``{"step": steps completed, "time": time.time(), "world": world size, "pid": process id}``. The file outlives
-processes, so it spans every generation and every restart of a job: downtime of any membership change is
-"last line of the old world" to "first line of the new one", whichever path the change took.
+``{"step": steps completed, "time": time.time(), "world": world size, "pid": process id, "loss": that step's loss}``
+(``loss`` where the module keeps ``step_losses``, as ours do). The file outlives processes, so it spans every
+generation and every restart of a job: downtime of any membership change is "last line of the old world" to "first
+line of the new one", whichever path the change took, and the loss of every step trained, whichever process was
+rank 0 then (a step trained again after a rollback has a line each time).
 
 Once the steady steps after an event with downtime are done, rank 0 reports its lost time (see
 :mod:`lightning_emig.training.lost_time`): a console line and ``event/lost_seconds`` to every logger.
@@ -86,6 +88,9 @@ class StepTimeRecorder(Callback):
         now = time.time()
         strategy: Any = trainer.strategy
         record = {"step": trainer.global_step, "time": now, "world": strategy.world_size, "pid": os.getpid()}
+        loss = getattr(pl_module, "step_losses", {}).get(trainer.global_step - 1)  # the step that just ended
+        if loss is not None:
+            record["loss"] = loss
         with (self.run_dir / STEP_TIMES_FILE).open("a") as f:
             f.write(json.dumps(record) + "\n")
         resumed = getattr(strategy, "resumed_from", None)
