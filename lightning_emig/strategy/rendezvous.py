@@ -52,11 +52,12 @@ from lightning_emig.membership.admission import (
 )
 from lightning_emig.membership.group import open_generation_store, under_launcher
 from lightning_emig.membership.handoff import LiveHandoff
-from lightning_emig.membership.preempt import drain_leavers, leaving_nodes
+from lightning_emig.membership.preempt import NobodyToHandOffToError, drain_leavers, leaving_nodes
 from lightning_emig.migration.state import training_state
 from lightning_emig.migration.transfer import local_bytes
 from lightning_emig.strategy.boundary import at_step_boundary
 from lightning_emig.strategy.progress import show_migration
+from lightning_emig.strategy.resume import is_complete
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -122,7 +123,10 @@ class RendezvousCallback(Callback):
             handoff.seconds.update(detect=detect, agree=agree)
             run_save_hooks(trainer, handoff)
             show_migration(trainer, "migrating (node leaving)")
-            strategy.pending_handoff = drain_leavers(trainer, self._client, handoff)
+            try:
+                strategy.pending_handoff = drain_leavers(trainer, self._client, handoff)
+            except NobodyToHandOffToError as nobody:
+                strategy.pending_handoff = _checkpoint_before_leaving(trainer, handoff, nobody)
             strategy.last_boundary = None  # the drain re-laid the captured state out: it is no boundary state now
             trainer.should_stop = True
             return
@@ -233,6 +237,26 @@ class RendezvousCallback(Callback):
         log.info("generation %d: joiners ready %.2fs after generation %d was seen; training went on meanwhile",
                  found, now - first_seen, latest)
         return found
+
+
+def _checkpoint_before_leaving(trainer: pl.Trainer, handoff: LiveHandoff, nobody: NobodyToHandOffToError
+                               ) -> LiveHandoff:
+    """Every node of the generation is preempted: nobody can receive the live state, so every rank saves it at this
+    step boundary (``step<N>.ckpt`` in the checkpoint directory, where a restart looks), waits for the write, and
+    leaves (exit 0). The generation that forms next, with nodes that join later, resumes from it: no step is lost.
+    Without a checkpoint directory (no ``ModelCheckpoint``) there is nowhere to put it: the error stands."""
+    strategy: Any = trainer.strategy
+    directory = strategy.checkpoint_dir(trainer)
+    if directory is None:
+        raise RuntimeError(f"{nobody}: nobody to hand the state to, and no checkpoint directory to save it in") from None
+    path = directory / f"step{trainer.global_step:06d}.ckpt"
+    if trainer.global_rank == 0:
+        log.error("%s: nobody to hand the live state to; saving it to %s before leaving (the next generation resumes "
+                  "from it)", nobody, path)
+    if not is_complete(path):  # a periodic save may have written this very step
+        strategy.save_checkpoint_and_wait(trainer, path)
+    handoff.leaving, handoff.state = True, None
+    return handoff
 
 
 def capture_handoff(trainer: pl.Trainer, *, new_generation: int, last_step_wall: float) -> LiveHandoff:

@@ -142,8 +142,12 @@ class StepTimeRecorder(Callback):
             "step-%d checkpoint are being recomputed", strategy.world_size, now - previous["time"],
             previous["world"], rolled_back, resumed.step,
         )
+        old_world, old_layout = resumed.old_world, resumed.old_layout
+        recorded = read_events(self.run_dir)
+        if recorded:  # the world that held the state last is the one the last change left (e.g. a failure's)
+            old_world, old_layout = recorded[-1]["new_world"], recorded[-1]["new_layout"]
         return ReconfigureEvent(
-            kind="restart", step=resumed.step, old_layout=resumed.old_layout, new_layout=strategy.layout.as_dict(),
-            old_world=resumed.old_world, new_world=strategy.world_size, seconds=seconds,
+            kind="restart", step=resumed.step, old_layout=old_layout, new_layout=strategy.layout.as_dict(),
+            old_world=old_world, new_world=strategy.world_size, seconds=seconds,
             generation=strategy.generation, downtime_seconds=now - previous["time"], steps_rolled_back=rolled_back,
         )
