@@ -20,13 +20,15 @@ from lightning_emig.launcher.generation import (
     NO_HOLDERS_EXIT_CODE,
     GenerationError,
     NodeEntry,
+    agent_heartbeat_key,
+    dead_key,
     holding_key,
     leaving_key,
     publish_generation,
     read_generation,
     ready_key,
 )
-from lightning_emig.launcher.heartbeat import HeartbeatWatch, holders_alive
+from lightning_emig.launcher.heartbeat import HeartbeatWatch, forget_holders, holders_alive
 from lightning_emig.membership.admission import (
     LeftOutError,
     NoHoldersError,
@@ -142,6 +144,27 @@ def test_a_joiner_with_no_holder_left_exits_for_a_restart_from_the_checkpoint(tw
     assert holders_alive(store, watch)
     now[0] = 19.0  # both stopped at once: each is judged from its first read, not from when the other went stale
     assert not holders_alive(store, watch)
+
+
+def test_a_worker_that_has_not_held_yet_counts_while_its_agent_beats() -> None:
+    """A generation that starts from a checkpoint: its workers hold nothing while they start up (imports, the group),
+    which may take longer than the heartbeat timeout. They count as holders-to-be while their node's agent beats and
+    has not marked them dead; the keys of the processes before them are forgotten when the generation is published."""
+    store, now = dist.HashStore(), [0.0]
+    generation = _publish(store, ("a", False), ("b", False))
+    store.set(holding_key("a", 0), "1.0")  # what A's previous process held: gone with it
+    forget_holders(store, read_generation(store, generation).members)
+    commit_generation(store, generation)
+    watch = HeartbeatWatch(store, timeout_s=5, clock=lambda: now[0])
+    store.set(agent_heartbeat_key("a"), "1.0")
+    store.set(agent_heartbeat_key("b"), "1.0")
+    assert holders_alive(store, watch)
+    now[0] = 6.0  # both agents stopped beating: nobody is starting anything
+    assert not holders_alive(store, watch)
+    store.set(agent_heartbeat_key("a"), "2.0")
+    assert holders_alive(store, watch)  # A's agent beats again (it was slow), its worker is starting
+    store.set(dead_key("a"), "{}")
+    assert not holders_alive(store, watch)  # ... until A's agent saw its worker die
 
 
 def test_the_agent_rejoins_only_when_every_failed_worker_was_left_out() -> None:

@@ -115,9 +115,11 @@ def test_a_silent_worker_is_dead_once_its_heartbeat_is_stale() -> None:
     store.set(report_key("failure/3", 0), "{}")
     store.set(report_key("failure/3", 2), "{}")
     started = time.monotonic()
-    store.set(heartbeat_key("b", 0), str(time.time() - 1.0))  # beat a second ago, then never again
+    last_beat = time.time() - 1.0
+    store.set(heartbeat_key("b", 0), str(last_beat))  # beat a second ago, then never again
     decision = _decide_survivors(store, info, FailureSettings(heartbeat_timeout_s=2.0, failure_timeout_s=10))
-    assert decision == {"survivors": [0, 2], "dead_nodes": ["b"]}
+    # When it was last seen alive: the detect phase runs from there (see _detect_seconds).
+    assert decision == {"survivors": [0, 2], "dead_nodes": ["b"], "last_seen_alive": last_beat}
     assert time.monotonic() - started >= 2.0  # it waited until the heartbeat had not changed for the timeout
 
 

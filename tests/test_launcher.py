@@ -38,7 +38,6 @@ from lightning_emig.launcher.generation import (
     parse_host_port,
     publish_generation,
     read_generation,
-    restart_key,
     wait_for_generation,
     worker_env,
 )
@@ -184,22 +183,25 @@ def test_control_store_is_the_tcp_store_under_the_round_prefixes() -> None:
 
 
 @pytest.mark.parametrize(
-    ("state", "peer_restarting", "live", "survivors", "expected"),
+    ("state", "holders_alive", "live", "survivors", "expected"),
     [
-        ("HEALTHY", False, True, None, "live"),  # nodes wait, nobody failed: carry the workers over
-        ("HEALTHY", True, True, None, "restart"),  # a peer restarts after a failure: torchrun's path
-        ("HEALTHY", False, False, None, "restart"),  # LIGHTNING_EMIG_LIVE_MEMBERSHIP=0
+        ("HEALTHY", True, True, None, "live"),  # nodes wait, the state is held: carry the workers over
+        # ... whoever waits, a node restarting after a failure too: its fresh workers join live (one story per
+        # generation; no restart path while a live path exists)
+        ("HEALTHY", False, True, None, "restart"),  # nobody holds the state any more: all restart, from a checkpoint
+        ("HEALTHY", True, False, None, "restart"),  # LIGHTNING_EMIG_LIVE_MEMBERSHIP=0
         # Our workers failed; the survivors published a generation without us: rejoin as a new node.
-        ("FAILED", False, True, ["b_2"], "stop+restart"),
-        ("UNHEALTHY", False, True, ["b_2"], "stop+restart"),
-        # ... nobody carries on (we were the whole job, or nothing was published): torchrun's restart path.
-        ("FAILED", False, True, ["a_1"], "stop+restart+mark+dead"),
-        ("FAILED", False, True, None, "stop+restart+mark+dead"),
-        ("FAILED", False, False, None, "restart+mark"),  # LIGHTNING_EMIG_LIVE_MEMBERSHIP=0
+        ("FAILED", True, True, ["b_2"], "stop+restart"),
+        ("UNHEALTHY", True, True, ["b_2"], "stop+restart"),
+        # ... nobody carries on (we were the whole job, no holder is left, or nothing was published): restart.
+        ("FAILED", True, True, ["a_1"], "stop+restart+dead"),
+        ("FAILED", False, True, ["a_1", "b_2", "c_3"], "stop+restart+dead"),
+        ("FAILED", True, True, None, "stop+restart+dead"),
+        ("FAILED", True, False, None, "restart"),  # LIGHTNING_EMIG_LIVE_MEMBERSHIP=0
     ],
 )
-def test_agent_carries_workers_over_only_for_joins(
-    monkeypatch: pytest.MonkeyPatch, state: str, peer_restarting: bool, live: bool, survivors: list[str] | None,
+def test_agent_carries_workers_over_whenever_the_state_is_held(
+    monkeypatch: pytest.MonkeyPatch, state: str, holders_alive: bool, live: bool, survivors: list[str] | None,
     expected: str,
 ) -> None:
     from lightning_emig.launcher.generation import NodeEntry, dead_key, publish_generation, ready_key
@@ -208,24 +210,24 @@ def test_agent_carries_workers_over_only_for_joins(
     monkeypatch.setattr(LocalElasticAgent, "_restart_workers", lambda self, wg: calls.append("restart"))
     monkeypatch.setattr(MembershipAgent, "_stop_workers", lambda self, wg, *a, **k: calls.append("stop"))
     monkeypatch.setattr(MembershipAgent, "_continue_workers_in_next_round", lambda self, wg: calls.append("live"))
+    monkeypatch.setattr(MembershipAgent, "_live_holders", lambda self, fresh=False: holders_alive)
     agent = MembershipAgent.__new__(MembershipAgent)  # the decision needs no spec, store or workers
-    agent.live_membership, agent.generation, agent.node_id, agent.failure_wait_s = live, 4, "a_1", 5.0
+    # No holder left: it must not wait for survivors at all (an hour would time the test out).
+    wait_s = 5.0 if holders_alive else 3600.0
+    agent.live_membership, agent.generation, agent.node_id, agent.failure_wait_s = live, 4, "a_1", wait_s
     agent._notice_at = None
     agent._control = dist.PrefixStore("lightning_emig/r/", dist.HashStore())
     if survivors is not None:
         publish_generation(agent._control, nodes=[NodeEntry(node_id=n, ranks=(i,), kept_workers=True)
                                                   for i, n in enumerate(survivors)],
                            world_size=len(survivors), master_addr="h", master_port=1, rendezvous_seconds=0.0)
-    if peer_restarting:
-        agent._control.set(restart_key(4), "b_2")
     group = SimpleNamespace(state=WorkerState[state], spec=SimpleNamespace(local_world_size=1))
     agent._control.set(ready_key("a_1", 0), "4")  # its worker was ready once
     agent._restart_workers(group)
-    marked = not peer_restarting and agent._control.check([restart_key(4)])
     dead = agent._control.check([dead_key("a_1")])  # a rejoining node took its marker back: it was decided
     if "stop" in calls:  # its workers failed: none of them is ready to join anything
         assert not agent._control.check([ready_key("a_1", 0)])
-    assert "+".join(calls + (["mark"] if marked else []) + (["dead"] if dead else [])) == expected
+    assert "+".join(calls + (["dead"] if dead else [])) == expected
 
 
 def test_a_node_with_notice_leaves_the_round_instead_of_joining_it(monkeypatch: pytest.MonkeyPatch) -> None:

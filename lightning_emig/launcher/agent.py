@@ -6,9 +6,11 @@ calling ``_restart_workers`` (stop, rendezvous, start). That call, made while th
 its worker processes (same pids, same local ranks, so torchrun's monitoring of them keeps working), then
 publishes the new generation for them (see :mod:`lightning_emig.launcher.generation`). A ``_restart_workers``
 call in any other state (a worker failed or became unhealthy) is torchrun's restart path, unchanged, and so
-are the restart budget, the exit barrier and every other part of the loop. A restarting agent marks the
-generation it leaves (``gen/<n>/restarting``) before it rejoins, so the healthy agents that then see it
-waiting restart as torchrun would, rather than mistake it for a joining node.
+are the restart budget, the exit barrier and every other part of the loop. No restart path while a live path
+exists: healthy agents carry their workers over whenever some worker of the job still holds the live state (its
+``holds/`` heartbeat beats), also when the waiting node is one restarting after a failure (its fresh workers then join
+live); only when no holder is left do they restart theirs, so that the whole next generation resumes from the newest
+complete checkpoint.
 
 Announced preemption: SIGTERM to the agent (or the file named by ``LIGHTNING_EMIG_PREEMPT_FILE`` appearing,
 the way to simulate a notice) does not stop the workers. The agent writes ``leaving/<node_id>`` with a deadline
@@ -25,8 +27,11 @@ whole job. It writes ``dead/<node_id>`` (the survivors' workers then need not wa
 other workers (the node counts as failed as a whole), waits until the survivors have published a generation
 without this node (:mod:`lightning_emig.membership.failure`), and then re-enters the rendezvous: the survivors'
 agents see a waiting node and carry their workers into the next round, where this node's fresh workers join live,
-like any new node. If no such generation comes within ``LIGHTNING_EMIG_FAILURE_WAIT_S`` (default 120 s; e.g.
-every worker died), it is torchrun's restart path. Either way it uses one of torchrun's ``--max-restarts``.
+like any new node. When no worker of the job holds the live state any more (their ``holds/`` heartbeats stopped
+for the heartbeat timeout), or this node was the whole job, it stops waiting: every node then restarts its workers
+and the next generation resumes from the newest complete checkpoint. After ``LIGHTNING_EMIG_FAILURE_WAIT_S`` (default
+120 s) it rejoins anyway (its fresh workers join live if holders are left). Either way it uses one of torchrun's
+``--max-restarts``.
 A node killed whole (agent and workers) is noticed by the survivors' workers alone (heartbeats).
 
 Every rendezvous round — the first, a live change, a torchrun restart — is one generation: the agent
@@ -58,6 +63,7 @@ from lightning_emig.launcher.control_store import ETCD_SCHEME, open_control_stor
 from lightning_emig.launcher.generation import (
     ACTIVE_GENERATION_KEY,
     ENV_AGENT_PID,
+    HEARTBEAT_TIMEOUT_KEY,
     LEFT_OUT_EXIT_CODE,
     NO_HOLDERS_EXIT_CODE,
     GenerationError,
@@ -73,10 +79,15 @@ from lightning_emig.launcher.generation import (
     raise_key,
     read_generation,
     ready_key,
-    restart_key,
     worker_env,
 )
-from lightning_emig.launcher.heartbeat import Heartbeat, HeartbeatWatch, heartbeat_timeout, holders_alive
+from lightning_emig.launcher.heartbeat import (
+    Heartbeat,
+    HeartbeatWatch,
+    forget_holders,
+    heartbeat_timeout,
+    holders_alive,
+)
 from lightning_emig.launcher.rounds import REFUSED_ROUNDS_S, ROUND_REFUSED, RoundRefusedError, holders_missing
 from lightning_emig.launcher.store_host import hosts_port
 
@@ -95,7 +106,10 @@ ENV_PREEMPT_FILE = "LIGHTNING_EMIG_PREEMPT_FILE"
 """A path; when that file appears, the agent acts as on SIGTERM (a simulated preemption notice)."""
 
 ENV_FAILURE_WAIT_S = "LIGHTNING_EMIG_FAILURE_WAIT_S"
-"""Seconds a node whose workers failed waits for the survivors' generation before torchrun's restart path."""
+"""Seconds a node whose workers failed waits for the survivors' generation before it rejoins regardless."""
+
+HOLDERS_POLL_S = 0.5
+"""How often the monitor loop looks at the holders' heartbeats (``holds/``): a few store reads each time."""
 
 AGENT_HEARTBEAT_S = 1.0
 """How often an agent rewrites its heartbeat (``hb/<node_id>/agent``)."""
@@ -167,6 +181,9 @@ class MembershipAgent(LocalElasticAgent):
         self.min_nodes = int(getattr(settings, "min_nodes", 1))
         self.max_nodes = int(getattr(settings, "max_nodes", self.min_nodes))
         self.failure_wait_s = float(os.environ.get(ENV_FAILURE_WAIT_S, "120"))
+        self._holders_watch: HeartbeatWatch | None = None
+        self._holders_checked_at = -HOLDERS_POLL_S
+        self._holders_seen = True
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         # torch's loop sets the group state before calling us: HEALTHY means "nodes are waiting".
@@ -175,19 +192,23 @@ class MembershipAgent(LocalElasticAgent):
             # current one, since torch starts the next round only once every participant of this one has left.
             self._exit_rendezvous_round()
             return
-        joining = worker_group.state == WorkerState.HEALTHY and not self._peer_restarting()
+        # Nodes wait and our workers are healthy: they are carried into the next round whenever some worker of the job
+        # still holds the live state (ours, or another node's that ours wait to be admitted by); with no holder left,
+        # every node restarts its workers, and the next generation resumes from the newest checkpoint.
+        joining = worker_group.state == WorkerState.HEALTHY and self._live_holders(fresh=True)
         if self.live_membership and joining:
             self._continue_workers_in_next_round(worker_group)
             return
-        if self._control is not None and worker_group.state != WorkerState.HEALTHY:
-            if self.live_membership and self._survivors_carry_on(worker_group):
-                super()._restart_workers(worker_group)  # stop (done), rendezvous as a joining node, start
-                return
-            self._control.set(restart_key(self.generation), self.node_id)
+        if self._control is not None and worker_group.state != WorkerState.HEALTHY and self.live_membership:
+            self._wait_for_survivors(worker_group)
+        # Stop (done by now, on the live path), rendezvous, start: as a joining node if the survivors carried on, else
+        # as part of a generation that resumes from the newest checkpoint.
         super()._restart_workers(worker_group)
 
-    def _survivors_carry_on(self, worker_group: WorkerGroup) -> bool:
-        """Our workers failed: tell the survivors, stop the rest, wait for their generation without this node."""
+    def _wait_for_survivors(self, worker_group: WorkerGroup) -> None:
+        """Our workers failed: tell the survivors, stop the rest, wait for their generation without this node; give
+        up when nobody carries on (this node was the whole job, no holder of the live state is left, or nothing came
+        within ``LIGHTNING_EMIG_FAILURE_WAIT_S``)."""
         assert self._control is not None
         control = self._control
         self._mark_dead(worker_group)
@@ -196,24 +217,22 @@ class MembershipAgent(LocalElasticAgent):
         self._stop_workers(worker_group)
         latest = latest_generation(control)
         if latest < 0 or {n.node_id for n in read_generation(control, latest).nodes} == {self.node_id}:
-            return False  # this node was the whole job: nobody carries on
+            return  # this node was the whole job: nobody carries on, it restarts from the newest checkpoint
         deadline = time.monotonic() + self.failure_wait_s
-        holders = HeartbeatWatch(control, heartbeat_timeout(control))
         while time.monotonic() < deadline:
             without = generation_going_on_without(control, self.node_id)
             if without is not None:
                 logger.warning("[%s] the survivors carried on as generation %d; rejoining with fresh workers",
                                self.node_id, without)
                 control.delete_key(dead_key(self.node_id))  # decided; a later failure must not read it again
-                return True
-            if not holders_alive(control, holders):
-                logger.error("[%s] no worker holds the live state any more (none beat for %.0fs): torchrun's "
-                             "restart path, from the newest complete checkpoint", self.node_id, holders.timeout_s)
-                return False
+                return
+            if not self._live_holders(fresh=True):
+                logger.error("[%s] no worker holds the live state any more: every node restarts its workers, from the "
+                             "newest complete checkpoint", self.node_id)
+                return
             time.sleep(0.2)
-        logger.error("[%s] no generation without this node within %.0fs: torchrun's restart path",
-                     self.node_id, self.failure_wait_s)
-        return False
+        logger.error("[%s] no generation without this node within %.0fs: rejoining with fresh workers (they join the "
+                     "holders live if any are left)", self.node_id, self.failure_wait_s)
 
     def _mark_dead(self, worker_group: WorkerGroup) -> None:
         """``dead/<node_id>``: this node's workers failed; the survivors need not wait for stale heartbeats."""
@@ -223,8 +242,22 @@ class MembershipAgent(LocalElasticAgent):
             self._control.delete_key(ready_key(self.node_id, local_rank))
         self._control.set(dead_key(self.node_id), json.dumps({"time": time.time(), "generation": self.generation}))
 
-    def _peer_restarting(self) -> bool:
-        return self._control is not None and self._control.check([restart_key(self.generation)])
+    def _live_holders(self, *, fresh: bool = False) -> bool:
+        """Whether some worker of the job still holds the live state (:func:`~lightning_emig.launcher.heartbeat.
+        holders_alive`). The monitor loop asks every :data:`HOLDERS_POLL_S` so that the watch's timers run all along
+        and a decision (``fresh``) needs no heartbeat timeout of its own. True until the workers have published their
+        heartbeat timeout (before they start nobody holds anything to lose)."""
+        if self._control is None or not self.live_membership:
+            return True
+        if self._holders_watch is None:
+            if not self._control.check([HEARTBEAT_TIMEOUT_KEY]):
+                return True
+            self._holders_watch = HeartbeatWatch(self._control, heartbeat_timeout(self._control))
+        now = time.monotonic()
+        if fresh or now - self._holders_checked_at >= HOLDERS_POLL_S:
+            self._holders_checked_at = now
+            self._holders_seen = holders_alive(self._control, self._holders_watch)
+        return self._holders_seen
 
     def _continue_workers_in_next_round(self, worker_group: WorkerGroup) -> None:
         started = time.monotonic()
@@ -295,6 +328,7 @@ class MembershipAgent(LocalElasticAgent):
                 master_port=worker_group.master_port, rendezvous_seconds=time.monotonic() - started,
             )
             if not any(node.kept_workers for node in nodes):  # every worker starts (from a checkpoint): they hold it
+                forget_holders(control, read_generation(control, generation).members)
                 raise_key(control, ACTIVE_GENERATION_KEY, generation)
             round_store.set(ROUND_GENERATION_KEY, str(generation))
         published = round_store.get(ROUND_GENERATION_KEY).decode()
@@ -387,6 +421,7 @@ class MembershipAgent(LocalElasticAgent):
             self._notice_at = time.monotonic()
         if self._notice_at is not None:
             self._announce_leaving()
+        self._live_holders()  # keeps the watch's timers running (see _live_holders)
         result = super()._monitor_workers(worker_group)
         failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
         if failed and self._notice_at is not None and self._control is not None:
@@ -414,13 +449,12 @@ class MembershipAgent(LocalElasticAgent):
 
     def _restart_without_holders(self, worker_group: WorkerGroup) -> None:
         """Our joiners found no process holding the live state (:mod:`lightning_emig.membership.admission`): restart
-        the node's workers as torchrun would, with the generation marked, so that every node enters the next round
-        the same way and that generation resumes from the newest complete checkpoint. No restart is spent: nothing
-        on this node failed."""
+        the node's workers as torchrun would. The other agents find no holder either and restart theirs (see
+        ``_restart_workers``), so every node enters the next round the same way and that generation resumes from the
+        newest complete checkpoint. No restart is spent: nothing on this node failed."""
         assert self._control is not None
         logger.error("[%s] nobody holds the live state any more: restarting this node's workers from the newest "
                      "complete checkpoint", self.node_id)
-        self._control.set(restart_key(self.generation), self.node_id)
         super()._restart_workers(worker_group)
 
     def _fail_without_restart(self) -> None:

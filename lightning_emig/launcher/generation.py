@@ -28,9 +28,6 @@ Keys under the prefix (the control store), for generation ``n``:
   that the generation's global rank 0 hosts (``is_master=True``), under ``PrefixStore(f"gen{n}")``.
 * ``latest_generation``: ``str(n)``, written *after* the node entries and ``world``; a reader that sees
   ``latest_generation >= n`` always finds generation ``n`` complete.
-* ``gen/<n>/restarting``: set by an agent whose workers failed, before it re-enters the rendezvous for
-  torchrun's restart path; healthy agents that then see nodes waiting restart too (torchrun's behaviour
-  for failures) instead of carrying their workers over.
 * ``generation_counter``: the rank-0 agent takes each new number from it (``add(1) - 1``).
 * ``active_generation``, ``ready/<node_id>/<local_rank>``: which generation the workers holding the state form, and
   which started workers are ready to join them (see :mod:`lightning_emig.membership.admission`).
@@ -117,10 +114,6 @@ def world_key(generation: int) -> str:
 
 def node_key(generation: int, group_rank: int) -> str:
     return f"gen/{generation}/node/{group_rank}"
-
-
-def restart_key(generation: int) -> str:
-    return f"gen/{generation}/restarting"
 
 
 def leaving_key(node_id: str) -> str:

@@ -27,7 +27,9 @@ from lightning_emig.launcher.generation import (
     ENV_NODE_ID,
     HEARTBEAT_TIMEOUT_KEY,
     active_generation,
+    agent_heartbeat_key,
     control_client_from_env,
+    dead_key,
     heartbeat_key,
     holding_key,
     read_generation,
@@ -102,22 +104,32 @@ def heartbeat_timeout(client: Any, default_s: float = 10.0) -> float:
 
 
 def holders_alive(client: Any, watch: HeartbeatWatch) -> bool:
-    """Whether some worker of the generation the holders committed to last still holds the live state: its
-    ``holds/`` heartbeat (:meth:`Heartbeat.hold`) changed within the watch's timeout. True before any generation
-    was committed. Joiners waiting for admission and the agents of failed nodes ask it: when it is False, nobody is
-    left to admit anyone, and the job must resume from its newest complete checkpoint."""
+    """Whether some worker of the generation the holders committed to last still holds the live state, or will: its
+    ``holds/`` heartbeat (:meth:`Heartbeat.hold`) changed within the watch's timeout; or it has not held yet (no
+    ``holds/`` key: a worker of a generation that starts from a checkpoint, still starting up, or a joiner just
+    admitted) and its node's agent beats and has not marked it dead. True before any generation was committed.
+    Joiners waiting for admission and the agents ask it: when it is False, nobody is left to admit anyone, and the
+    job must resume from its newest complete checkpoint."""
     active = active_generation(client)
     if active < 0:
         return True
-    members = read_generation(client, active).members
-    stale = [watch.stale_key(holding_key(node_id, local_rank)) for node_id, local_rank in members]  # each read: its
-    return not all(stale)  # timer starts at its first read, so none may wait for the others to go stale first
+    alive = [_member_alive(client, watch, node_id, local_rank)  # each read: its timer starts at its first read, so
+             for node_id, local_rank in read_generation(client, active).members]  # none waits for another's
+    return any(alive)
 
 
-def mark_holding() -> None:
-    """This worker holds the live state (see :meth:`Heartbeat.hold`); nothing without a running heartbeat."""
-    if _beating is not None:
-        _beating.hold()
+def _member_alive(client: Any, watch: HeartbeatWatch, node_id: str, local_rank: int) -> bool:
+    key = holding_key(node_id, local_rank)
+    if client.check([key]):
+        return not watch.stale_key(key)
+    return not client.check([dead_key(node_id)]) and not watch.stale_key(agent_heartbeat_key(node_id))
+
+
+def forget_holders(client: Any, members: Any) -> None:
+    """A generation whose workers all start afresh (from a checkpoint) was published: what its members' earlier
+    processes held is gone, and their ``holds/`` keys must not make the new ones look dead while they start up."""
+    for node_id, local_rank in members:
+        client.delete_key(holding_key(node_id, local_rank))
 
 
 class HeartbeatWatch:

@@ -54,6 +54,7 @@ from lightning_emig.launcher.generation import (
     NodeEntry,
     control_client_from_env,
     dead_key,
+    heartbeat_key,
     node_host,
     read_generation,
 )
@@ -232,7 +233,7 @@ def _recover_once(
     patience = max(settings.failure_timeout_s,
                    strategy.timeout.total_seconds() + settings.heartbeat_timeout_s + 10.0)
     decision = _decide_survivors(client, ours.members, settings, timeout_s=patience, scope=ours.scope)
-    detect = time.perf_counter() - started
+    detect = _detect_seconds(time.perf_counter() - started, decision)
     if not decision["dead_nodes"] and held is None:  # everyone reported: no peer died, not a failure we can mend
         raise error
 
@@ -343,11 +344,36 @@ def _decide_survivors(
         accounted = all(rank in reported or node in dead_nodes for node, _, rank in members)
         if accounted:
             survivors = sorted(rank for node, _, rank in members if rank in reported and node not in dead_nodes)
-            proposal = json.dumps({"survivors": survivors, "dead_nodes": sorted(dead_nodes)})
+            decided = {"survivors": survivors, "dead_nodes": sorted(dead_nodes)}
+            seen = [t for node, local_rank, _ in members if node in dead_nodes
+                    if (t := _last_seen_alive(client, node, local_rank)) is not None]
+            if seen:
+                decided["last_seen_alive"] = min(seen)
+            proposal = json.dumps(decided)
             client.compare_set(key, "", proposal)  # the first proposal wins; later ones change nothing
             break
         time.sleep(0.1)
     return json.loads(client.get(key))
+
+
+def _last_seen_alive(client: Any, node_id: str, local_rank: int) -> float | None:
+    """When a dead worker was last known alive (``time.time()`` on its own host): its agent's ``dead/`` mark, else
+    its last heartbeat; None when neither says. For the ``detect`` phase only (see :func:`_detect_seconds`)."""
+    if client.check([dead_key(node_id)]):
+        marked = json.loads(client.get(dead_key(node_id)) or b"{}")
+        if "time" in marked:
+            return float(marked["time"])
+    beat = heartbeat_key(node_id, local_rank)
+    return float(client.get(beat)) if client.check([beat]) else None
+
+
+def _detect_seconds(waited: float, decision: dict[str, Any]) -> float:
+    """The ``detect`` phase: from when the first dead worker was last known alive to the decision — what the
+    collective's error (at once, or at ``trainer.pg_timeout_s``) and the heartbeat timeout took together, bounded by
+    their sum — or, without that time, how long this survivor waited for the decision. Host clocks are compared
+    here, for a report only: nothing is decided by it."""
+    last_seen = decision.get("last_seen_alive")
+    return waited if last_seen is None else max(waited, time.time() - float(last_seen))
 
 
 def _publish_or_wait(
