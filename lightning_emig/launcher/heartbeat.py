@@ -132,6 +132,12 @@ def forget_holders(client: Any, members: Any) -> None:
         client.delete_key(holding_key(node_id, local_rank))
 
 
+def mark_holding() -> None:
+    """This worker holds the live state (see :meth:`Heartbeat.hold`); nothing without a running heartbeat."""
+    if _beating is not None:
+        _beating.hold()
+
+
 class HeartbeatWatch:
     """Which workers' heartbeats have stopped, judged on this process's own clock.
 
