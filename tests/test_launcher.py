@@ -433,3 +433,25 @@ def test_a_round_without_an_alive_holder_of_the_live_state_is_refused() -> None:
         stop.set()
         beating.join()
     assert holders_missing(store, round_nodes, window_s=1.0) == []  # b's heartbeat stopped: b is dead
+
+
+def test_a_preempted_node_whose_grace_period_runs_out_leaves_with_exit_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its workers did not hand off in time (they were recovering from a peer's failure, say): the agent stops them,
+    marks the node dead for the survivors and leaves the job as a preempted node does (``_LeaveJob``: exit 0), not by
+    torchrun's SIGTERM path (exit 1)."""
+    from lightning_emig.launcher.agent import _LeaveJob
+    from lightning_emig.launcher.generation import dead_key, leaving_key
+
+    calls: list[str] = []
+    monkeypatch.setattr(MembershipAgent, "_stop_workers", lambda self, wg, *a, **k: calls.append("stop"))
+    agent = MembershipAgent.__new__(MembershipAgent)
+    agent.node_id, agent.grace_s, agent.generation = "a_1", 5.0, 3
+    agent._control = dist.PrefixStore("lightning_emig/r/", dist.HashStore())
+    agent._control_address = "etcd://127.0.0.1:2379"  # no node hosts the store: no warning to give
+    agent._notice_at, agent._leaving_deadline = time.monotonic() - 10.0, None
+    group = SimpleNamespace(spec=SimpleNamespace(local_world_size=1))
+    agent._announce_leaving(group)  # the notice is published first, with its deadline
+    assert agent._control.check([leaving_key("a_1")]) and calls == []
+    with pytest.raises(_LeaveJob, match="grace period ran out"):
+        agent._announce_leaving(group)  # the next monitor tick: the deadline passed
+    assert calls == ["stop"] and agent._control.check([dead_key("a_1")])

@@ -18,8 +18,9 @@ the way to simulate a notice) does not stop the workers. The agent writes ``leav
 hand their state to the survivors at the next step boundary and exit 0; the agent then leaves the rendezvous
 without closing it and without the exit barrier (the survivors' agents count only the nodes of the newest
 generation at theirs). A node with notice takes part in no further rendezvous round: nodes that join meanwhile
-form the next generation without it. A second SIGTERM, or a grace period that runs out, is torchrun's SIGTERM:
-workers are killed, and for the survivors it is an abrupt failure. Without live membership
+form the next generation without it. A second SIGTERM is torchrun's SIGTERM: workers are killed, and for the
+survivors it is an abrupt failure. A grace period that runs out stops the workers too (marked dead for the survivors),
+and the node leaves with exit 0 like any preempted node, whatever its workers were doing. Without live membership
 (``LIGHTNING_EMIG_LIVE_MEMBERSHIP=0``) every SIGTERM is torchrun's, and the preemption file is ignored.
 
 Abrupt failure of a worker (it died, or exited non-zero): with live membership the agent does not restart the
@@ -420,7 +421,7 @@ class MembershipAgent(LocalElasticAgent):
         if self._notice_at is None and self.live_membership and self._preempt_file and os.path.exists(self._preempt_file):
             self._notice_at = time.monotonic()
         if self._notice_at is not None:
-            self._announce_leaving()
+            self._announce_leaving(worker_group)
         self._live_holders()  # keeps the watch's timers running (see _live_holders)
         result = super()._monitor_workers(worker_group)
         failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
@@ -471,7 +472,7 @@ class MembershipAgent(LocalElasticAgent):
         self._exit_rendezvous_round()
         self._worker_group.spec.rdzv_handler.shutdown = lambda: True
 
-    def _announce_leaving(self) -> None:
+    def _announce_leaving(self, worker_group: WorkerGroup) -> None:
         if self._leaving_deadline is None:
             self._leaving_deadline = self._notice_at + self.grace_s
             if self._control is not None:
@@ -480,11 +481,16 @@ class MembershipAgent(LocalElasticAgent):
                            self.node_id, self.grace_s)
             self._warn_if_store_host()
         elif time.monotonic() > self._leaving_deadline:
+            # The node goes as announced, whatever its workers were doing (recovering from a peer's failure, say):
+            # exit 0, as for any preempted node; for the survivors it is an abrupt failure, marked so.
             logger.error(
-                "[%s] PREEMPTION GRACE PERIOD OF %.0fs RAN OUT before the workers handed off their state: killing "
+                "[%s] PREEMPTION GRACE PERIOD OF %.0fs RAN OUT before the workers handed off their state: stopping "
                 "them; for the survivors this is an abrupt failure", self.node_id, self.grace_s,
             )
-            raise SignalException("preemption grace period ran out", sigval=signal.SIGTERM)
+            self._stop_workers(worker_group)
+            if self._control is not None:
+                self._mark_dead(worker_group)
+            raise _LeaveJob("preemption grace period ran out")
 
     def _warn_if_store_host(self) -> None:
         """The c10d backend's store lives in one agent: when that node goes, the job's control store goes too."""
