@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_emig.layout import HybridLayout
-from lightning_emig.migration.digest import replica_slots
+from lightning_emig.migration.digest import digest_sums
 from lightning_emig.migration.state import StateTensor
 
 
@@ -49,6 +49,9 @@ class StateProof:
     layout: str
     digest: int
     """The state digest as an unsigned 64-bit number (see :mod:`lightning_emig.migration.digest`)."""
+    tensors: dict[str, int] | None = None
+    """Each tensor's own digest (unsigned), by state key: where two proofs' digests differ, the tensors that do
+    (None in proofs saved before they were recorded)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -62,13 +65,21 @@ def prove_state(state: dict[str, StateTensor], layout: HybridLayout, *, rank: in
                 generation: int, device: torch.device, when: str) -> StateProof:
     """Check that the world's ranks hold one state (module docstring) and return it; ``when`` names the moment in
     the error. Every rank of the default process group calls it at the same point."""
-    facts = torch.tensor([step, data_offset, generation, _layout_code(layout)], dtype=torch.int64, device=device)
-    slots = replica_slots(state, layout, rank, device)
+    keys = sorted(state)
+    facts = torch.tensor([step, data_offset, generation, _layout_code(layout), _keys_code(keys)], dtype=torch.int64,
+                         device=device)
+    slots, per_tensor = digest_sums(state, layout, rank, device)
     extremes = torch.cat([facts, -facts])  # one MAX gives every fact's highest and lowest value
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    if distributed:
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
-        dist.all_reduce(slots)
-    highest, lowest = extremes[:4].tolist(), [-v for v in extremes[4:].tolist()]
+    # Every rank holds the same keys (no pipeline stages): the per-tensor sums line up and are reduced too.
+    same_keys = int(extremes[4]) == -int(extremes[9])
+    sums = torch.cat([slots, per_tensor]) if same_keys else slots
+    if distributed:
+        dist.all_reduce(sums)
+    slots, per_tensor = sums[:len(slots)], sums[len(slots):]
+    highest, lowest = extremes[:4].tolist(), [-v for v in extremes[5:9].tolist()]
     disagree = [f"{name} {low}..{high}" for name, low, high in
                 zip(("step", "data offset", "generation", "layout"), lowest, highest, strict=True) if low != high]
     if disagree:
@@ -82,8 +93,10 @@ def prove_state(state: dict[str, StateTensor], layout: HybridLayout, *, rank: in
             f"INCONSISTENT STATE {when} at step {step}: replicas of the training state differ "
             f"({len(digests)} different digests over the {len(slots)} replica slots of {layout.describe()})"
         )
+    tensors = ({key: _unsigned(v) for key, v in zip(keys, per_tensor.tolist(), strict=True)} if same_keys
+               else None)  # pipeline stages: each holds its own tensors, the whole digest only
     return StateProof(step=step, data_offset=data_offset, generation=generation, layout=layout.describe(),
-                      digest=digests[0])
+                      digest=digests[0], tensors=tensors)
 
 
 def check_same_state(before: StateProof, after: StateProof, *, what: str) -> None:
@@ -95,8 +108,23 @@ def check_same_state(before: StateProof, after: StateProof, *, what: str) -> Non
         raise InconsistentStateError(
             f"INCONSISTENT STATE after {what}: before it step {before.step}, data offset {before.data_offset}, digest "
             f"{before.digest:#018x} ({before.layout}); after it step {after.step}, data offset {after.data_offset}, "
-            f"digest {after.digest:#018x} ({after.layout})"
+            f"digest {after.digest:#018x} ({after.layout}){_tensors_that_differ(before, after)}"
         )
+
+
+def _tensors_that_differ(before: StateProof, after: StateProof, most: int = 8) -> str:
+    if before.tensors is None or after.tensors is None:
+        return ""
+    keys = sorted(set(before.tensors) | set(after.tensors))
+    differ = [key for key in keys if before.tensors.get(key) != after.tensors.get(key)]
+    if not differ:
+        return ""
+    more = f" and {len(differ) - most} more" if len(differ) > most else ""
+    return f"; tensors that differ: {', '.join(differ[:most])}{more}"
+
+
+def _keys_code(keys: list[str]) -> int:
+    return zlib.crc32("\n".join(keys).encode())
 
 
 def _layout_code(layout: HybridLayout) -> int:

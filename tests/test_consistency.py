@@ -149,6 +149,8 @@ def _fit_guarded(rank: int, world: int, root: str) -> dict[str, str]:
     if rank == 0:  # a checkpoint whose state is not the one its proof names
         meta = torch.load(checkpoint / "meta.pt", weights_only=False)
         meta[PROOF_KEY]["digest"] ^= 1
+        tensors = meta[PROOF_KEY]["tensors"]
+        tensors[sorted(tensors)[-1]] ^= 1  # and the digest of the tensor it names
         torch.save(meta, checkpoint / "meta.pt")
     dist.barrier()
     outcome["tampered"] = _error_of(lambda: fit(tiny_config(layout={"tp": 2}, max_steps=4, world_size=world),
@@ -178,8 +180,11 @@ def test_a_checkpoint_resumed_under_another_layout_proves_the_state_it_saved(gua
 
 
 @pytest.mark.parametrize(("case", "message"), [
-    ("tampered", r"after the checkpoint.s restore: before it step 3, data offset -1, digest"),
-    ("corrupted_change", r"after the layout change: before it step 2, data offset 16, digest"),
+    # The tensors named: the one whose saved digest was changed (the last key) / the one the transfer wrote wrong.
+    ("tampered", r"after the checkpoint.s restore: before it step 3, data offset -1, digest .*; tensors that differ: "
+                 r"[^,]+$"),
+    ("corrupted_change", r"after the layout change: before it step 2, data offset 16, digest .*; tensors that differ: "
+                         r"\S*output\.weight$"),
 ])
 def test_state_that_differs_from_where_it_came_from_is_never_trained_on(guarded: list[dict[str, str]], case: str,
                                                                          message: str) -> None:

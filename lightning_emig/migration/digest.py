@@ -40,8 +40,17 @@ def replica_slots(state: Mapping[str, StateTensor], layout: HybridLayout, rank: 
                   device: torch.device | str) -> torch.Tensor:
     """This rank's contribution: ``world / pp`` int64 slots (module docstring). SUM them over all ranks; every slot
     is then the state digest, each slot read from other replicas."""
+    return digest_sums(state, layout, rank, device)[0]
+
+
+def digest_sums(state: Mapping[str, StateTensor], layout: HybridLayout, rank: int, device: torch.device | str
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's contributions, in one pass: the replica slots (:func:`replica_slots`) and, per tensor in sorted
+    key order, its first replica's sum. SUM both over all ranks: the second then holds every tensor's own digest
+    (layout-independent too), which names the tensors that differ where two states' digests do."""
     slots = torch.zeros(layout.world_size // layout.pp, dtype=torch.int64, device=device)
-    for key in sorted(state):
+    per_tensor = torch.zeros(len(state), dtype=torch.int64, device=device)
+    for position, key in enumerate(sorted(state)):
         tensor = state[key]
         sharding = tensor.spec.on(layout)
         holding = sharding.holding_of_rank(rank)
@@ -59,7 +68,9 @@ def replica_slots(state: Mapping[str, StateTensor], layout: HybridLayout, rank: 
             slots += local_sum
         else:
             slots[index::len(replicas)] += local_sum
-    return slots
+        if index == 0:
+            per_tensor[position] += local_sum
+    return slots, per_tensor
 
 
 def _per_rank(key: str, tensor: StateTensor) -> bool:
