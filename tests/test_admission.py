@@ -28,7 +28,7 @@ from lightning_emig.launcher.generation import (
     read_generation,
     ready_key,
 )
-from lightning_emig.launcher.heartbeat import HeartbeatWatch, forget_holders, holders_alive
+from lightning_emig.launcher.heartbeat import HeartbeatWatch, forget_holders, holders_alive, mark_gone
 from lightning_emig.membership.admission import (
     LeftOutError,
     NoHoldersError,
@@ -167,11 +167,24 @@ def test_a_worker_that_has_not_held_yet_counts_while_its_agent_beats() -> None:
     assert not holders_alive(store, watch)  # ... until A's agent saw its worker die
 
 
+def test_a_worker_its_agent_replaced_is_gone_at_once_and_a_joiner_that_never_held_keeps_nothing_alive() -> None:
+    store = dist.HashStore()
+    watch = HeartbeatWatch(store, timeout_s=3600)  # nothing goes stale here: only the marks decide
+    _publish(store, ("a", False))
+    generation = _publish(store, ("a", True), ("b", False))  # live: A holds, B was admitted
+    commit_generation(store, generation)
+    store.set(holding_key("a", 0), "1.0")
+    store.set(agent_heartbeat_key("b"), "1.0")
+    assert holders_alive(store, watch)
+    mark_gone(store, "a", range(1))  # A's agent saw its worker fail (or replaced it): gone, no timeout to wait
+    assert not holders_alive(store, watch)  # B, admitted but never holding, keeps nothing alive
+
+
 def test_the_agent_rejoins_only_when_every_failed_worker_was_left_out() -> None:
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from lightning_emig.launcher.agent import _all_exited_with
+    from lightning_emig.launcher.agent import _all_exited_with, _no_holders_left
 
     def failed(*codes: int) -> RunResult:
         failures = {}
@@ -184,7 +197,8 @@ def test_the_agent_rejoins_only_when_every_failed_worker_was_left_out() -> None:
     assert _all_exited_with(failed(LEFT_OUT_EXIT_CODE, LEFT_OUT_EXIT_CODE), LEFT_OUT_EXIT_CODE)
     assert not _all_exited_with(failed(LEFT_OUT_EXIT_CODE, 1), LEFT_OUT_EXIT_CODE)
     assert not _all_exited_with(failed(-9), LEFT_OUT_EXIT_CODE)
-    assert _all_exited_with(failed(NO_HOLDERS_EXIT_CODE), NO_HOLDERS_EXIT_CODE)
+    assert _no_holders_left(failed(NO_HOLDERS_EXIT_CODE, LEFT_OUT_EXIT_CODE))  # nobody admits either of them
+    assert not _no_holders_left(failed(LEFT_OUT_EXIT_CODE)) and not _no_holders_left(failed(NO_HOLDERS_EXIT_CODE, 1))
     assert not _all_exited_with(RunResult(state=WorkerState.FAILED), LEFT_OUT_EXIT_CODE)
 
 

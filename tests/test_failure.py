@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -445,8 +446,9 @@ def test_failures_at_a_world_of_four_without_replicas_and_three_with_them(tmp_pa
 def test_when_every_holder_of_the_live_state_is_gone_the_next_generation_resumes_from_the_checkpoint(
         tmp_path: Path) -> None:
     """Issue 34's etcd hang, on c10d: A and B (``layout=hsdp``) hold the state, rank 0 held at step 12; C joins and
-    waits for admission; then A's and B's workers are killed. Nobody is left to admit C: within the heartbeat
-    timeout C's worker exits for a restart, A's and B's agents stop waiting for survivors, and the three nodes form
+    waits for admission; then A's and B's workers are killed. Nobody is left to admit C: A's and B's agents mark
+    their workers gone and stop waiting for survivors, C's agent (or its joiner) restarts C's worker, and the three
+    nodes form
     one generation that resumes from the step-10 checkpoint — every rank alike, one ``restart`` event — and finish
     on the uninterrupted run's loss curve (steps 10 and 11, trained twice, both times)."""
     from lightning_emig.testing.nodes import reference_losses
@@ -468,9 +470,11 @@ def test_when_every_holder_of_the_live_state_is_gone_the_next_generation_resumes
     finally:
         stop_agents(run.agents)
     assert codes == {"a": 0, "b": 0, "c": 0}, (codes, run.logs())
-    assert "NO WORKER HOLDS THE LIVE STATE" in _log(tmp_path, "c", 10**6)
-    for name in "ab":
+    for name in "ab":  # their agents marked the workers gone: no heartbeat timeout to wait for
         assert "no worker holds the live state any more" in _log(tmp_path, name, 10**6), run.logs()
+    for name in "abc":  # C's waiting joiner too (its agent, or the joiner itself, found nobody to admit it)
+        assert re.search(r"generation \d+: world 3 on 3 node\(s\).*workers started\n(?![\s\S]*workers kept)",
+                         _log(tmp_path, name, 10**6)), _log(tmp_path, name)
     events = read_events(run.run_dir)
     assert [(e["kind"], e["step"], e["new_world"]) for e in events] == [("restart", 10, 3)], events
     reference = reference_losses(tmp_path, _args(steps, []))
@@ -489,3 +493,59 @@ def check_ledger_after_rollback(run_dir: Path, events: list[dict]) -> None:
     report.assert_exactly_once()
     rolled_back = {s for e in events for s in range(e["step"], e["step"] + (e.get("steps_rolled_back") or 0) + 1)}
     assert set(report.rolled_back_steps) <= rolled_back, (report.describe(), events)
+
+
+@pytest.mark.long  # the path it ends on (every node leaves: the state is saved) runs in test_user_script in make test
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_a_lone_survivor_below_min_that_gets_a_notice_saves_the_state_and_leaves(tmp_path: Path) -> None:
+    """etcd-v2, ``--nnodes=2:2``: B's worker is killed at step 12 (no restart left), A is left alone below MIN and
+    waits for a joiner with the live state. A then gets a notice: it stops waiting, trains on to the next step
+    boundary (13), finds nobody to hand the state to, saves it there and leaves with exit 0 — not when its grace
+    period runs out, with the state lost. C and D start later and resume from step 13: no step lost."""
+    from lightning_emig.testing.etcd import etcd_server, has_etcd
+    from lightning_emig.testing.nodes import reference_losses
+    from lightning_emig.training.step_times import read_step_times
+
+    if not has_etcd():
+        pytest.skip("needs the etcd extra: pip install '.[etcd]'")
+    steps, args = 30, _args(30, [])
+    start_reference(tmp_path, args)
+    env = {"LIGHTNING_EMIG_TEST_HOLD_AT_STEPS": "12", "LIGHTNING_EMIG_TEST_HOLD_DIR": str(tmp_path)}
+    agents: dict[str, subprocess.Popen] = {}
+    with etcd_server() as endpoint:
+        def start(name: str) -> None:
+            agents[name] = start_node(
+                tmp_path, name, local_addr=ADDRESSES_4[name], port=0, run_dir=tmp_path / "run", nnodes="2:2",
+                rdzv_id="lone-survivor", rdzv_backend="etcd-v2", rdzv_endpoint=endpoint, env=env,
+                train_args=[*args, "layout=hsdp", "elastic.heartbeat_timeout_s=5"],
+                module="lightning_emig.testing.held_train")
+        try:
+            start("a")
+            start("b")
+            wait_for(lambda: "test hold: step 12 waits" in _log(tmp_path, "a", 10**6) + _log(tmp_path, "b", 10**6),
+                     180, "rank 0 never held at step 12")
+            for pid in descendants(agents["b"].pid):
+                os.kill(pid, signal.SIGKILL)
+            (tmp_path / "release-12").touch()
+            wait_for(lambda: "BELOW MIN" in _log(tmp_path, "a", 10**6), 120, "A never waited below MIN")
+            os.kill(agents["a"].pid, signal.SIGTERM)
+            codes = wait_for_exit(tmp_path, agents, 120)
+            assert codes["a"] == 0, _log(tmp_path, "a")
+            start("c")
+            start("d")
+            codes = wait_for_exit(tmp_path, agents, 240, names=["c", "d"])
+        finally:
+            stop_agents(agents)
+    assert codes == {"c": 0, "d": 0}, codes
+    log_a = _log(tmp_path, "a", 10**6)
+    assert "got a preemption notice: training on to the next step boundary" in log_a
+    assert "nobody to hand the live state to; saving it" in log_a and "GRACE PERIOD" not in log_a
+    events = read_events(tmp_path / "run")
+    assert [(e["kind"], e["step"], e.get("steps_rolled_back")) for e in events][-1] == ("restart", 13, 0), events
+    reference = reference_losses(tmp_path, args)
+    trained = [(r["step"] - 1, r["loss"]) for r in read_step_times(tmp_path / "run")]
+    assert sorted({s for s, _ in trained}) == list(range(steps))
+    worst = max(abs(loss - reference[str(s)]) / abs(reference[str(s)]) for s, loss in trained)
+    assert worst < REL_TOL, f"loss departs from the reference by {worst:.2e}"

@@ -88,6 +88,7 @@ from lightning_emig.launcher.heartbeat import (
     forget_holders,
     heartbeat_timeout,
     holders_alive,
+    mark_gone,
 )
 from lightning_emig.launcher.rounds import REFUSED_ROUNDS_S, ROUND_REFUSED, RoundRefusedError, holders_missing
 from lightning_emig.launcher.store_host import hosts_port
@@ -154,6 +155,12 @@ class _LeaveJob(Exception):  # noqa: N818 - a way out, not an error
 def _all_exited_with(result: RunResult, code: int) -> bool:
     """Every failed worker exited with ``code`` (a joiner's: left out, or no holder left)."""
     return bool(result.failures) and all(failure.exitcode == code for failure in result.failures.values())
+
+
+def _no_holders_left(result: RunResult) -> bool:
+    """Some failed joiner found no holder left, the others were left out (they too wait for nobody)."""
+    codes = {failure.exitcode for failure in result.failures.values()}
+    return NO_HOLDERS_EXIT_CODE in codes and codes <= {NO_HOLDERS_EXIT_CODE, LEFT_OUT_EXIT_CODE}
 
 
 class MembershipAgent(LocalElasticAgent):
@@ -241,6 +248,7 @@ class MembershipAgent(LocalElasticAgent):
         # A dead worker is not ready: the holders must not take its stale ready key for a joiner that can form a group.
         for local_rank in range(worker_group.spec.local_world_size):
             self._control.delete_key(ready_key(self.node_id, local_rank))
+        mark_gone(self._control, self.node_id, range(worker_group.spec.local_world_size))
         self._control.set(dead_key(self.node_id), json.dumps({"time": time.time(), "generation": self.generation}))
 
     def _live_holders(self, *, fresh: bool = False) -> bool:
@@ -392,8 +400,11 @@ class MembershipAgent(LocalElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         if self._control is not None:  # a fresh process is not ready to join yet (see membership.admission)
-            for local_rank in range(worker_group.spec.local_world_size):
+            local_ranks = range(worker_group.spec.local_world_size)
+            for local_rank in local_ranks:
                 self._control.delete_key(ready_key(self.node_id, local_rank))
+            if self._generation_live:  # the processes these replace hold nothing any more (see launcher.heartbeat)
+                mark_gone(self._control, self.node_id, local_ranks)
         os.environ.update(worker_env(
             node_id=self.node_id, control_address=self._control_address, prefix=self._control_prefix,
             generation=self.generation, join_live=self._generation_live, min_nodes=self.min_nodes,
@@ -422,7 +433,10 @@ class MembershipAgent(LocalElasticAgent):
             self._notice_at = time.monotonic()
         if self._notice_at is not None:
             self._announce_leaving(worker_group)
-        self._live_holders()  # keeps the watch's timers running (see _live_holders)
+        try:
+            self._live_holders()  # keeps the watch's timers running (see _live_holders)
+        except Exception:  # noqa: BLE001 - a store hiccup must not fail the agent; the next tick reads again
+            logger.debug("could not read the holders' heartbeats", exc_info=True)
         result = super()._monitor_workers(worker_group)
         failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
         if failed and self._notice_at is not None and self._control is not None:
@@ -433,7 +447,7 @@ class MembershipAgent(LocalElasticAgent):
         if result.state == WorkerState.FAILED and _all_exited_with(result, LEFT_OUT_EXIT_CODE):
             self._rejoin_left_out(worker_group)
             return RunResult(state=WorkerState.HEALTHY)
-        if result.state == WorkerState.FAILED and _all_exited_with(result, NO_HOLDERS_EXIT_CODE):
+        if result.state == WorkerState.FAILED and _no_holders_left(result):
             self._restart_without_holders(worker_group)
             return RunResult(state=WorkerState.HEALTHY)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self._remaining_restarts == 0:
@@ -487,9 +501,9 @@ class MembershipAgent(LocalElasticAgent):
                 "[%s] PREEMPTION GRACE PERIOD OF %.0fs RAN OUT before the workers handed off their state: stopping "
                 "them; for the survivors this is an abrupt failure", self.node_id, self.grace_s,
             )
-            self._stop_workers(worker_group)
-            if self._control is not None:
+            if self._control is not None:  # first: the survivors need not wait for stale heartbeats
                 self._mark_dead(worker_group)
+            self._stop_workers(worker_group)
             raise _LeaveJob("preemption grace period ran out")
 
     def _warn_if_store_host(self) -> None:

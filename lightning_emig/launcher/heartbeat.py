@@ -103,26 +103,33 @@ def heartbeat_timeout(client: Any, default_s: float = 10.0) -> float:
     return float(client.get(HEARTBEAT_TIMEOUT_KEY)) if client.check([HEARTBEAT_TIMEOUT_KEY]) else default_s
 
 
+GONE = b"gone"
+"""The value an agent writes to its workers' ``holds/`` keys when those processes are gone (failed, stopped, replaced
+by fresh ones): gone at once, not after the heartbeat timeout, and never taken for a process still starting up."""
+
+
 def holders_alive(client: Any, watch: HeartbeatWatch) -> bool:
     """Whether some worker of the generation the holders committed to last still holds the live state, or will: its
-    ``holds/`` heartbeat (:meth:`Heartbeat.hold`) changed within the watch's timeout; or it has not held yet (no
-    ``holds/`` key: a worker of a generation that starts from a checkpoint, still starting up, or a joiner just
-    admitted) and its node's agent beats and has not marked it dead. True before any generation was committed.
-    Joiners waiting for admission and the agents ask it: when it is False, nobody is left to admit anyone, and the
-    job must resume from its newest complete checkpoint."""
+    ``holds/`` heartbeat (:meth:`Heartbeat.hold`) changed within the watch's timeout; or, in a generation that starts
+    from a checkpoint (no worker kept), it has not held yet — still starting up — and its node's agent beats and has
+    not marked it dead. True before any generation was committed. Joiners waiting for admission and the agents ask
+    it: when it is False, nobody is left to admit anyone, and the job must resume from its newest complete
+    checkpoint."""
     active = active_generation(client)
     if active < 0:
         return True
-    alive = [_member_alive(client, watch, node_id, local_rank)  # each read: its timer starts at its first read, so
-             for node_id, local_rank in read_generation(client, active).members]  # none waits for another's
+    info = read_generation(client, active)
+    alive = [_member_alive(client, watch, node_id, local_rank, starting=not info.live)  # each read: its timer
+             for node_id, local_rank in info.members]  # starts at its first read, so none waits for another's
     return any(alive)
 
 
-def _member_alive(client: Any, watch: HeartbeatWatch, node_id: str, local_rank: int) -> bool:
+def _member_alive(client: Any, watch: HeartbeatWatch, node_id: str, local_rank: int, *, starting: bool) -> bool:
     key = holding_key(node_id, local_rank)
     if client.check([key]):
-        return not watch.stale_key(key)
-    return not client.check([dead_key(node_id)]) and not watch.stale_key(agent_heartbeat_key(node_id))
+        return client.get(key) != GONE and not watch.stale_key(key)
+    # Never held: a live generation's member that holds nothing (a joiner just admitted) keeps nobody's state alive.
+    return starting and not client.check([dead_key(node_id)]) and not watch.stale_key(agent_heartbeat_key(node_id))
 
 
 def forget_holders(client: Any, members: Any) -> None:
@@ -130,6 +137,12 @@ def forget_holders(client: Any, members: Any) -> None:
     processes held is gone, and their ``holds/`` keys must not make the new ones look dead while they start up."""
     for node_id, local_rank in members:
         client.delete_key(holding_key(node_id, local_rank))
+
+
+def mark_gone(client: Any, node_id: str, local_ranks: range) -> None:
+    """An agent's workers are gone (see :data:`GONE`)."""
+    for local_rank in local_ranks:
+        client.set(holding_key(node_id, local_rank), GONE)
 
 
 def mark_holding() -> None:

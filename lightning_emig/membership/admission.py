@@ -80,6 +80,10 @@ from lightning_emig.membership.group import host_generation_store, keep_hosted_s
 log = logging.getLogger(__name__)
 
 
+HOLDERS_POLL_S = 1.0
+"""How often a joiner waiting for admission looks at the holders' heartbeats."""
+
+
 class LeftOutError(SystemExit):
     """The holders committed to a generation without this joiner: the process exits with LEFT_OUT_EXIT_CODE."""
 
@@ -243,6 +247,7 @@ def await_admission(client: dist.Store, node_id: str, local_rank: int, *, starte
     client.set(ready_key(node_id, local_rank), str(started_in))
     log.info("start-up done (started into generation %d): this worker waits for admission", started_in)
     deadline = time.monotonic() + timeout_s
+    holders_read_at = time.monotonic()
     while True:
         active = active_generation(client)
         if active >= started_in:
@@ -266,7 +271,11 @@ def await_admission(client: dist.Store, node_id: str, local_rank: int, *, starte
                         "into generation %d): nothing left to train, leaving (exit 0)", started_in)
             client.delete_key(ready_key(node_id, local_rank))
             raise TrainingDoneError
-        if not holders_alive(client, holders):
+        if time.monotonic() - holders_read_at >= HOLDERS_POLL_S:  # a few store reads per member: not every poll
+            holders_read_at, gone = time.monotonic(), not holders_alive(client, holders)
+        else:
+            gone = False
+        if gone:
             log.error("NO WORKER HOLDS THE LIVE STATE ANY MORE (generation %d's stopped beating for %.0fs): nobody is "
                       "left to admit this worker; its agent restarts the job's workers from the newest complete "
                       "checkpoint", active, holders.timeout_s)

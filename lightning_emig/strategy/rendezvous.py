@@ -253,7 +253,7 @@ def _checkpoint_before_leaving(trainer: pl.Trainer, handoff: LiveHandoff, nobody
     if trainer.global_rank == 0:
         log.error("%s: nobody to hand the live state to; saving it to %s before leaving (the next generation resumes "
                   "from it)", nobody, path)
-    if not is_complete(path):  # a periodic save may have written this very step
+    if not strategy.broadcast(is_complete(path)):  # a periodic save may have written this step; rank 0 says
         strategy.save_checkpoint_and_wait(trainer, path)
     handoff.leaving, handoff.state = True, None
     return handoff
