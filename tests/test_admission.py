@@ -321,9 +321,10 @@ def test_holders_whose_new_generation_cannot_form_go_on_in_one_of_their_own(monk
 
     from lightning_emig.launcher.generation import GenerationError, worker_env
     from lightning_emig.layout import HybridLayout
-    from lightning_emig.membership.failure import FailureSettings, recover_from_failure
+    from lightning_emig.membership.failure import recover_from_failure
     from lightning_emig.membership.group import generation_env
     from lightning_emig.membership.handoff import LiveHandoff
+    from lightning_emig.membership.settings import FailureSettings
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     for key, value in {**worker_env(node_id="127.0.0.1_1", control_address=f"127.0.0.1:{server.port}",
@@ -363,9 +364,10 @@ def test_holders_recover_again_when_one_of_them_dies_before_their_generation_for
 
     from lightning_emig.launcher.generation import dead_key, worker_env
     from lightning_emig.layout import HybridLayout
-    from lightning_emig.membership.failure import FailureSettings, Rollback, recover_from_failure, report_key
+    from lightning_emig.membership.failure import Rollback, recover_from_failure, report_key
     from lightning_emig.membership.group import generation_env
     from lightning_emig.membership.handoff import LiveHandoff
+    from lightning_emig.membership.settings import FailureSettings
 
     a, b = "127.0.0.1_1", "127.0.0.2_2"
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))

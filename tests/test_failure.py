@@ -32,11 +32,11 @@ import torch.distributed as dist
 from lightning_emig.launcher.generation import GenerationInfo, NodeEntry, dead_key, heartbeat_key, worker_env
 from lightning_emig.launcher.heartbeat import HeartbeatWatch
 from lightning_emig.membership.failure import (
-    FailureSettings,
     _decide_survivors,
     is_peer_failure,
     report_key,
 )
+from lightning_emig.membership.settings import FailureSettings
 from lightning_emig.strategy.events import read_events
 from lightning_emig.testing.commands import descendants, is_alive, kill_tree
 from lightning_emig.testing.distributed import free_port

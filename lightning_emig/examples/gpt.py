@@ -328,7 +328,7 @@ def run_callbacks(args: argparse.Namespace) -> list[Any]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from lightning_emig.membership.failure import FailureSettings
+    from lightning_emig.membership.settings import FailureSettings
 
     config = GPTConfig(n_layers=args.n_layers)
     pl.seed_everything(args.seed, workers=True)

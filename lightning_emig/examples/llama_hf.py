@@ -194,7 +194,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from lightning_emig.membership.failure import FailureSettings
+    from lightning_emig.membership.settings import FailureSettings
 
     config = tiny_llama_config()
     pl.seed_everything(args.seed, workers=True)

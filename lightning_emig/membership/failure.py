@@ -61,6 +61,7 @@ from lightning_emig.launcher.generation import (
 from lightning_emig.launcher.heartbeat import HeartbeatWatch
 from lightning_emig.membership.group import enter_generation
 from lightning_emig.membership.handoff import LiveHandoff
+from lightning_emig.membership.settings import FailureSettings
 from lightning_emig.migration.change import (
     allocate_shards,
     device_of,
@@ -87,14 +88,6 @@ PEER_FAILURE_MARKERS = ("gloo", "Connection reset", "Connection closed", "Broken
 
 class ExcludedFromRecovery(RuntimeError):
     """This process was not among the survivors the others agreed on (it reported too late)."""
-
-
-@dataclass(frozen=True, slots=True)
-class FailureSettings:
-    heartbeat_interval_s: float = 1.0
-    heartbeat_timeout_s: float = 10.0
-    failure_timeout_s: float = 120.0
-    below_min_timeout_s: float = 300.0
 
 
 @dataclass(slots=True, kw_only=True)

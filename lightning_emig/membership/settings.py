@@ -23,12 +23,21 @@ if TYPE_CHECKING:
 
     import torch
 
-    from lightning_emig.membership.failure import FailureSettings
     from lightning_emig.membership.handoff import LiveHandoff
     from lightning_emig.picker import PickResult
     from lightning_emig.picker.policy import LayoutPicker
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class FailureSettings:
+    """How a dead peer is noticed and how long the survivors wait (``elastic.*`` in the configuration)."""
+
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 10.0
+    failure_timeout_s: float = 120.0
+    below_min_timeout_s: float = 300.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,12 +8,9 @@ the table lists every rejected full-world layout with its reason, so a reader se
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 from lightning_emig.picker.candidates import GB, Candidate, Problem
-
-if TYPE_CHECKING:
-    from lightning_emig.picker.search import PickResult
 
 COLUMNS = ("", "rep", "shard", "tp", "pp", "devs", "idle", "micro", "accum", "ckpt", "mem GB", "step s",
            "moved GB", "status")
@@ -80,13 +77,14 @@ def _candidates(n: int) -> str:
     return f"{n} candidate" if n == 1 else f"{n} candidates"
 
 
-def render_table(result: PickResult, max_rows: int | None) -> str:
-    feasible = [c for c in result.candidates if c.feasible]
-    rejected_full = [c for c in result.candidates if not c.feasible and c.idle_devices == 0]
-    hidden_rejected = sum(1 for c in result.candidates if not c.feasible and c.idle_devices > 0)
+def render_table(world: int, explanation: str, chosen: Candidate, candidates: Sequence[Candidate],
+                 max_rows: int | None) -> str:
+    feasible = [c for c in candidates if c.feasible]
+    rejected_full = [c for c in candidates if not c.feasible and c.idle_devices == 0]
+    hidden_rejected = sum(1 for c in candidates if not c.feasible and c.idle_devices > 0)
     shown = feasible if max_rows is None else feasible[:max_rows]
-    lines = [f"world {result.world}: {result.explanation}", _row(COLUMNS)]
-    lines += [_row(_cells(c, "chosen" if c is result.chosen else "ok")) for c in shown]
+    lines = [f"world {world}: {explanation}", _row(COLUMNS)]
+    lines += [_row(_cells(c, "chosen" if c is chosen else "ok")) for c in shown]
     lines += [_row(_cells(c, f"rejected: {c.rejected}")) for c in rejected_full]
     notes = []
     if len(shown) < len(feasible):

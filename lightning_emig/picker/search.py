@@ -74,7 +74,7 @@ class PickResult:
 
     def table(self, max_rows: int | None = 12) -> str:
         """The candidates as text: feasible ones (up to ``max_rows``), then every rejected full-world layout."""
-        return render_table(self, max_rows)
+        return render_table(self.world, self.explanation, self.chosen, self.candidates, max_rows)
 
     def to_record(self) -> dict[str, object]:
         """A JSON-able record of the choice and of every candidate."""

@@ -56,14 +56,18 @@ from lightning_emig.launcher.heartbeat import HeartbeatWatch, mark_holding, star
 from lightning_emig.launcher.orphans import die_with_parent
 from lightning_emig.layout import HybridLayout, LayoutMesh, MeshAxis, build_mesh
 from lightning_emig.membership.admission import LeftOutError, await_admission, memory_to_warm
-from lightning_emig.membership.failure import FailureSettings
 from lightning_emig.membership.group import (
     enter_generation,
     joining_live,
     under_launcher,
 )
 from lightning_emig.membership.handoff import LIVE_CHECKPOINT, LiveHandoff
-from lightning_emig.membership.settings import ElasticSettings, LayoutChoice, validate_layout_for_module
+from lightning_emig.membership.settings import (
+    ElasticSettings,
+    FailureSettings,
+    LayoutChoice,
+    validate_layout_for_module,
+)
 from lightning_emig.migration.change import ChangeRecord
 from lightning_emig.migration.planner import IdentityMap
 from lightning_emig.migration.state import storages_of, training_state

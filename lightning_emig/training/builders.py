@@ -21,7 +21,7 @@ from lightning_emig.data.loader import MicroBatchLoader
 from lightning_emig.data.sampler import GlobalOffsetSampler
 from lightning_emig.data.stream import MicroBatchStream
 from lightning_emig.layout import HybridLayout
-from lightning_emig.membership.failure import FailureSettings
+from lightning_emig.membership.settings import FailureSettings
 from lightning_emig.models.llama import get_model_config
 from lightning_emig.picker.calibrate import PROFILE_FILE
 from lightning_emig.picker.policy import LayoutPicker
