@@ -24,8 +24,7 @@ from typing import Any
 import pytest
 from lightning.pytorch.loggers import CSVLogger, Logger
 
-from lightning_emig.strategy.events import publish_event, read_events, stable_run_id
-from lightning_emig.strategy.reconfigure import ReconfigureEvent
+from lightning_emig.strategy.events import ReconfigureEvent, publish_event, read_events, stable_run_id
 from lightning_emig.testing.distributed import run_distributed
 from lightning_emig.testing.runs import quiet_lightning, tiny_config, with_schedule
 from lightning_emig.training.builders import build_run

@@ -83,7 +83,7 @@ from lightning_emig.strategy.boundary import (
 from lightning_emig.strategy.clipping import route_norm_clipping
 from lightning_emig.strategy.consistency import ConsistencyGuard, prove
 from lightning_emig.strategy.elastic_fit import ElasticFitLauncher, treat_step_as_saved
-from lightning_emig.strategy.events import publish_event
+from lightning_emig.strategy.events import ReconfigureEvent, publish_event
 from lightning_emig.strategy.fit_start import check_callbacks, check_can_be_staged, check_fit_start
 from lightning_emig.strategy.grad_sync import DeferGradSync, accumulating, check_defer_choice
 from lightning_emig.strategy.live_join import join_live
@@ -95,7 +95,7 @@ from lightning_emig.strategy.pipeline import (
 )
 from lightning_emig.strategy.prepare import LayoutPreparation, ShadowView
 from lightning_emig.strategy.rebuild import check_rebuilt, children_with_state, node_of_every_rank
-from lightning_emig.strategy.reconfigure import ReconfigureEvent, reconfigure_live
+from lightning_emig.strategy.reconfigure import reconfigure_live
 from lightning_emig.strategy.rendezvous import RendezvousCallback
 from lightning_emig.strategy.resume import check_checkpoint_matches, restart_reason
 from lightning_emig.strategy.rng import gather_rng_states, restore_rng_for_rank

@@ -72,7 +72,7 @@ if TYPE_CHECKING:
 
     import lightning.pytorch as pl
 
-    from lightning_emig.strategy.elastic import ElasticMigrationStrategy
+    from lightning_emig.strategy.host import FitHost
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def is_fit(function: Callable[..., Any]) -> bool:
 class ElasticFitLauncher(_Launcher):
     """Runs ``Trainer.fit`` once per generation until training is done (see the module docstring)."""
 
-    def __init__(self, strategy: ElasticMigrationStrategy) -> None:
+    def __init__(self, strategy: FitHost) -> None:
         self._strategy = strategy
         self._inconsistent_rollbacks = 0  # in a row: training past the step of the last one resets the count
         self._inconsistent_at = -1
@@ -279,7 +279,7 @@ class ElasticFitLauncher(_Launcher):
         return LIVE_CHECKPOINT
 
 
-def _check_allowed_worlds(strategy: ElasticMigrationStrategy, trainer: pl.Trainer) -> None:
+def _check_allowed_worlds(strategy: FitHost, trainer: pl.Trainer) -> None:
     """Once per ``Trainer.fit`` call: refuse a job none of whose worlds (``--nnodes`` MIN to MAX) can be laid out;
     warn about the worlds a change into would stop the job."""
     failing = strategy.elastic_settings.unworkable_worlds(allowed_worlds_from_env())
@@ -331,7 +331,7 @@ def _prepare_trainer_for_next_fit(trainer: pl.Trainer) -> None:
     trainer.should_stop = False
 
 
-def _checkpoint_to_restart_from(strategy: ElasticMigrationStrategy, trainer: pl.Trainer) -> str | None:
+def _checkpoint_to_restart_from(strategy: FitHost, trainer: pl.Trainer) -> str | None:
     """The launcher restarted this job's workers (every rank of the generation alike: nobody held the live state any
     more), and the script passed no ``ckpt_path``: the job goes on from the newest complete checkpoint in its
     ``ModelCheckpoint``'s directory, not silently from step 0. Every rank looks alike: no process of the job is

@@ -19,18 +19,18 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.loggers import Logger, WandbLogger
 
 from lightning_emig.layout import HybridLayout
+from lightning_emig.migration.change import ChangeRecord
 from lightning_emig.strategy.jsonl import read_complete_lines
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-
-    from lightning_emig.strategy.reconfigure import ReconfigureEvent
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,56 @@ TABLE_COLUMNS = (
     "time", "kind", "step", "generation", "old_world", "new_world", "old_layout", "new_layout", "bytes_moved",
     "downtime_seconds", "steps_rolled_back", "total_seconds", "seconds",
 )
+
+
+@dataclass(slots=True)
+class ReconfigureEvent:
+    """One structured record of a layout change (what issue trackers and dashboards read)."""
+
+    kind: str
+    step: int
+    old_layout: dict[str, int]
+    new_layout: dict[str, int]
+    old_world: int
+    new_world: int
+    bytes_moved: int = 0
+    bytes_copied_locally: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+    generation: int | None = None
+    """The launcher generation the change led to (membership changes only)."""
+    downtime_seconds: float | None = None
+    """Last step finished on the old world to first step finished on the new (membership changes only)."""
+    steps_rolled_back: int | None = None
+    """Steps done on the old world after the checkpoint a restart resumed from (recomputed on the new one)."""
+    layout_choice: dict[str, Any] | None = None
+    """Why the layout picker chose ``new_layout`` (None: the requested layout or the fixed rule)."""
+    prepared_seconds: dict[str, float] | None = None
+    """The phases a background preparation ran while the old layout trained (off the pause; None: built at the
+    boundary)."""
+
+    @classmethod
+    def of(cls, change: ChangeRecord, *, generation: int | None = None, downtime_seconds: float | None = None
+           ) -> ReconfigureEvent:
+        """The event of ``change`` (steps rolled back are reported for failures only)."""
+        return cls(
+            kind=change.kind, step=change.step, old_layout=change.old_layout.as_dict(),
+            new_layout=change.new_layout.as_dict(), old_world=change.old_world, new_world=change.new_world,
+            bytes_moved=change.bytes_moved, bytes_copied_locally=change.bytes_copied_locally,
+            seconds=dict(change.seconds), generation=generation, downtime_seconds=downtime_seconds,
+            steps_rolled_back=change.steps_rolled_back if change.kind == "failure" else None,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        optional = (("generation", self.generation), ("downtime_seconds", self.downtime_seconds),
+                    ("steps_rolled_back", self.steps_rolled_back), ("layout_choice", self.layout_choice),
+                    ("prepared_seconds", self.prepared_seconds))
+        extra = {k: v for k, v in optional if v is not None}
+        return {
+            "kind": self.kind, "step": self.step, "old_layout": self.old_layout, "new_layout": self.new_layout,
+            "old_world": self.old_world, "new_world": self.new_world, "bytes_moved": self.bytes_moved,
+            "bytes_copied_locally": self.bytes_copied_locally, "seconds": self.seconds,
+            "total_seconds": sum(self.seconds.values()), **extra,
+        }
 
 
 def publish_event(trainer: pl.Trainer, event: ReconfigureEvent) -> dict[str, Any]:

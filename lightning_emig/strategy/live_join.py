@@ -48,7 +48,7 @@ from lightning_emig.strategy.rng import restore_rng_for_rank
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_emig.strategy.elastic import ElasticMigrationStrategy
+    from lightning_emig.strategy.host import JoinHost
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +66,7 @@ class _Announcement:
 
 
 def join_live(
-    strategy: ElasticMigrationStrategy, trainer: pl.Trainer, handoff: LiveHandoff | None, node_id: str
+    strategy: JoinHost, trainer: pl.Trainer, handoff: LiveHandoff | None, node_id: str
 ) -> tuple[dict[str, Any], ChangeRecord, float]:
     """Move the live state into this (new) world; returns the resume metadata for Lightning, the change's record
     (the change that left state for this fit, if any, then this join) and when the last step on the old world
@@ -154,14 +154,14 @@ def join_live(
 
 
 def _holds_the_new_layout(who: list[Any], old_world: int, old_layout: HybridLayout,
-                          strategy: ElasticMigrationStrategy) -> bool:
+                          strategy: JoinHost) -> bool:
     """Every process of the new world holds its state under the new layout, world and rank already (the same answer
     on every process: it decides which tensors the migration moves)."""
     return (old_layout, old_world) == (strategy.layout, strategy.world_size) and all(
         old == rank for rank, (_, _, old) in enumerate(who))
 
 
-def _rescale_counters(metadata: dict[str, Any], strategy: ElasticMigrationStrategy) -> None:
+def _rescale_counters(metadata: dict[str, Any], strategy: JoinHost) -> None:
     """The loop counters were captured under the accumulation of the layout recorded with them; Lightning steps on
     this world's. Re-express them, and record the layout they are now expressed in."""
     captured_under = HybridLayout(**metadata["lightning_emig"]["layout"])

@@ -64,7 +64,7 @@ from lightning_emig.strategy.rebuild import (
 if TYPE_CHECKING:
     from torch import nn
 
-    from lightning_emig.strategy.elastic import ElasticMigrationStrategy
+    from lightning_emig.strategy.host import PrepareHost
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class PreparedLayout:
     seconds: dict[str, float] = field(default_factory=dict)
     """The background phases (off the critical path)."""
 
-    def install(self, strategy: ElasticMigrationStrategy, module: Any) -> None:
+    def install(self, strategy: PrepareHost, module: Any) -> None:
         """Put the prepared mesh and children in place of the old ones (the old state must be captured first)."""
         strategy.install_mesh(self.layout_mesh, strategy.elastic_settings.plan_for(self.layout))
         dropped = drop_model(module, strategy.kept_children)
@@ -124,7 +124,7 @@ class _Outcome:
 class LayoutPreparation:
     """One layout change being prepared by a background thread (see the module)."""
 
-    def __init__(self, strategy: ElasticMigrationStrategy, requested: HybridLayout, *,
+    def __init__(self, strategy: PrepareHost, requested: HybridLayout, *,
                  old_specs: dict[str, ShardingSpec], identity: IdentityMap) -> None:
         self.requested = requested
         self.old_layout = strategy.layout
@@ -199,7 +199,7 @@ class LayoutPreparation:
         return mesh
 
 
-def _build_on_stand_in(strategy: ElasticMigrationStrategy, layout_mesh: LayoutMesh
+def _build_on_stand_in(strategy: PrepareHost, layout_mesh: LayoutMesh
                        ) -> tuple[dict[str, nn.Module], dict[str, Any], Any, list[Callable[[], None]]]:
     """Run the module's ``configure_model`` on a stand-in under ``layout_mesh``; returns the children it built, the
     other attributes it set, the stand-in, and the ``materialize_empty`` calls it made (deferred)."""
@@ -231,7 +231,7 @@ def _build_on_stand_in(strategy: ElasticMigrationStrategy, layout_mesh: LayoutMe
 _MISSING = object()
 
 
-def take_prepared(strategy: ElasticMigrationStrategy, preparation: LayoutPreparation | None,
+def take_prepared(strategy: PrepareHost, preparation: LayoutPreparation | None,
                   requested: HybridLayout) -> PreparedLayout | None:
     """At the boundary of a change to ``requested``: the prepared layout, where every process prepared it from this
     layout and succeeded; else None, and every process builds at the boundary. Waits for the thread; every process of

@@ -30,7 +30,7 @@ from lightning_emig.migration.state import ShardingSpec, training_state
 
 if TYPE_CHECKING:
     from lightning_emig.layout import HybridLayout
-    from lightning_emig.strategy.elastic import ElasticMigrationStrategy
+    from lightning_emig.strategy.host import RebuildHost
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def check_rebuilt(module: Any, dropped: list[str]) -> None:
         )
 
 
-def rebuild_model(strategy: ElasticMigrationStrategy, module: Any) -> None:
+def rebuild_model(strategy: RebuildHost, module: Any) -> None:
     """Drop ``module``'s model and build it again with ``configure_model``, under ``strategy.migrating`` (it may
     skip initialisation: a migration overwrites every parameter) and the strategy's current ``layout_mesh``."""
     dropped = drop_model(module, strategy.kept_children)

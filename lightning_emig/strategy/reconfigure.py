@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lightning_emig.layout import HybridLayout, build_mesh
-from lightning_emig.migration.change import ChangeRecord, execute_change, whole_state_specs
+from lightning_emig.migration.change import execute_change, whole_state_specs
 from lightning_emig.migration.planner import IdentityMap
 from lightning_emig.migration.state import StateTensor, allocate_optimizer_state, training_state
+from lightning_emig.strategy.events import ReconfigureEvent
 from lightning_emig.strategy.prepare import take_prepared
 from lightning_emig.strategy.progress import show_migration
 from lightning_emig.strategy.rebuild import (
@@ -44,57 +44,7 @@ from lightning_emig.strategy.rebuild import (
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_emig.strategy.elastic import ElasticMigrationStrategy
-
-
-@dataclass(slots=True)
-class ReconfigureEvent:
-    """One structured record of a layout change (what issue trackers and dashboards read)."""
-
-    kind: str
-    step: int
-    old_layout: dict[str, int]
-    new_layout: dict[str, int]
-    old_world: int
-    new_world: int
-    bytes_moved: int = 0
-    bytes_copied_locally: int = 0
-    seconds: dict[str, float] = field(default_factory=dict)
-    generation: int | None = None
-    """The launcher generation the change led to (membership changes only)."""
-    downtime_seconds: float | None = None
-    """Last step finished on the old world to first step finished on the new (membership changes only)."""
-    steps_rolled_back: int | None = None
-    """Steps done on the old world after the checkpoint a restart resumed from (recomputed on the new one)."""
-    layout_choice: dict[str, Any] | None = None
-    """Why the layout picker chose ``new_layout`` (None: the requested layout or the fixed rule)."""
-    prepared_seconds: dict[str, float] | None = None
-    """The phases a background preparation ran while the old layout trained (off the pause; None: built at the
-    boundary)."""
-
-    @classmethod
-    def of(cls, change: ChangeRecord, *, generation: int | None = None, downtime_seconds: float | None = None
-           ) -> ReconfigureEvent:
-        """The event of ``change`` (steps rolled back are reported for failures only)."""
-        return cls(
-            kind=change.kind, step=change.step, old_layout=change.old_layout.as_dict(),
-            new_layout=change.new_layout.as_dict(), old_world=change.old_world, new_world=change.new_world,
-            bytes_moved=change.bytes_moved, bytes_copied_locally=change.bytes_copied_locally,
-            seconds=dict(change.seconds), generation=generation, downtime_seconds=downtime_seconds,
-            steps_rolled_back=change.steps_rolled_back if change.kind == "failure" else None,
-        )
-
-    def as_dict(self) -> dict[str, Any]:
-        optional = (("generation", self.generation), ("downtime_seconds", self.downtime_seconds),
-                    ("steps_rolled_back", self.steps_rolled_back), ("layout_choice", self.layout_choice),
-                    ("prepared_seconds", self.prepared_seconds))
-        extra = {k: v for k, v in optional if v is not None}
-        return {
-            "kind": self.kind, "step": self.step, "old_layout": self.old_layout, "new_layout": self.new_layout,
-            "old_world": self.old_world, "new_world": self.new_world, "bytes_moved": self.bytes_moved,
-            "bytes_copied_locally": self.bytes_copied_locally, "seconds": self.seconds,
-            "total_seconds": sum(self.seconds.values()), **extra,
-        }
+    from lightning_emig.strategy.host import ReconfigureHost
 
 
 class _Timer:
@@ -109,7 +59,7 @@ class _Timer:
 
 
 def reconfigure_live(
-    strategy: ElasticMigrationStrategy, trainer: pl.Trainer, requested: HybridLayout
+    strategy: ReconfigureHost, trainer: pl.Trainer, requested: HybridLayout
 ) -> ReconfigureEvent | None:
     """Switch ``strategy`` to ``requested`` now; returns the event, or None when the layout is unchanged."""
     timer = _Timer()
@@ -170,7 +120,7 @@ def reconfigure_live(
     return event
 
 
-def _build_at_boundary(strategy: ElasticMigrationStrategy, module: Any, requested: HybridLayout,
+def _build_at_boundary(strategy: ReconfigureHost, module: Any, requested: HybridLayout,
                        new_layout: HybridLayout, old_state: dict[str, StateTensor], timer: _Timer
                        ) -> tuple[HybridLayout, IdentityMap]:
     """Build the mesh and the model for ``new_layout`` now, in the rank order that keeps the most state in place
@@ -194,7 +144,7 @@ def _build_at_boundary(strategy: ElasticMigrationStrategy, module: Any, requeste
 
 
 def _restore_optimizer_settings(
-    strategy: ElasticMigrationStrategy, hyper: list[dict[str, Any]], schedulers: list[dict[str, Any]]
+    strategy: ReconfigureHost, hyper: list[dict[str, Any]], schedulers: list[dict[str, Any]]
 ) -> None:
     optimizer = strategy.optimizers[0]
     if len(optimizer.param_groups) != len(hyper):

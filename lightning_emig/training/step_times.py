@@ -30,8 +30,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_emig.strategy.boundary import at_step_boundary
-from lightning_emig.strategy.events import read_events
-from lightning_emig.strategy.reconfigure import ReconfigureEvent
+from lightning_emig.strategy.events import ReconfigureEvent, read_events
 from lightning_emig.strategy.resume import process_start_wall
 from lightning_emig.training.lost_time import STEP_TIMES_FILE, lost_time, recovery_span
 

@@ -1,0 +1,132 @@
+"""What the modules that carry out a change read and call of the strategy, as typed views of it.
+
+``ElasticMigrationStrategy`` is the one implementation of each view; the change modules (``rebuild``, ``prepare``,
+``reconfigure``, ``live_join``, ``elastic_fit``) are typed on these and never import the strategy, so the strategy's
+module depends on them and not the other way round (no import circle; a test keeps it so). Each view lists exactly
+what its module uses: a new need shows up here first.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    import torch
+
+    from lightning_emig.data.batching import BatchPlan
+    from lightning_emig.layout import HybridLayout, LayoutMesh
+    from lightning_emig.membership.failure import Rollback
+    from lightning_emig.membership.handoff import LiveHandoff
+    from lightning_emig.membership.settings import ElasticSettings, FailureSettings
+
+
+class RebuildHost(Protocol):
+    """What :mod:`~lightning_emig.strategy.rebuild` reads: the children the module keeps, whether it migrates."""
+
+    kept_children: frozenset[str]
+
+    @property
+    def migrating(self) -> bool: ...
+
+
+class _WorldView(Protocol):
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def layout(self) -> HybridLayout: ...
+
+    @property
+    def elastic_settings(self) -> ElasticSettings: ...
+
+    @property
+    def lightning_module(self) -> Any: ...
+
+
+class PrepareHost(RebuildHost, _WorldView, Protocol):
+    """What :mod:`~lightning_emig.strategy.prepare` uses to build the next layout in the background."""
+
+    shadow_view: Any
+    """The strategy's :class:`~lightning_emig.strategy.prepare.ShadowView` (what a preparing thread sees)."""
+
+    @property
+    def timeout(self) -> timedelta: ...
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+    def install_mesh(self, layout_mesh: LayoutMesh, plan: BatchPlan) -> None: ...
+
+
+class ReconfigureHost(_WorldView, Protocol):
+    """What :mod:`~lightning_emig.strategy.reconfigure` uses to change the layout at a step boundary."""
+
+    optimizers: list[Any]
+    lr_scheduler_configs: list[Any]
+
+    @property
+    def timeout(self) -> timedelta: ...
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+    def install_mesh(self, layout_mesh: LayoutMesh, plan: BatchPlan) -> None: ...
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None: ...
+
+    def restart_data(self, trainer: pl.Trainer) -> None: ...
+
+    def take_preparation(self) -> Any:
+        """The :class:`~lightning_emig.strategy.prepare.LayoutPreparation` in flight, handed over (None: none)."""
+
+
+class JoinHost(_WorldView, Protocol):
+    """What :mod:`~lightning_emig.strategy.live_join` uses to move the holders' state into a new generation."""
+
+    seed: int
+    optimizers: list[Any]
+    live_transfer_started: bool
+
+    @property
+    def local_rank(self) -> int: ...
+
+    @property
+    def batch_plan(self) -> BatchPlan: ...
+
+
+class FitHost(_WorldView, Protocol):
+    """What :mod:`~lightning_emig.strategy.elastic_fit` uses to run one ``Trainer.fit`` call as a sequence of fits."""
+
+    generation: int
+    kept_children: frozenset[str]
+    pending_handoff: LiveHandoff | None
+    start_reason: str | None
+    left_job: bool
+    failure_settings: FailureSettings
+
+    @property
+    def timeout(self) -> timedelta: ...
+
+    @property
+    def has_layout(self) -> bool: ...
+
+    @property
+    def awaiting_live_state(self) -> bool: ...
+
+    @property
+    def incoming_handoff(self) -> LiveHandoff | None: ...
+
+    def checkpoint_dir(self, trainer: pl.Trainer) -> Path | None: ...
+
+    def finish_join_event(self, trainer: pl.Trainer, *, interrupted: bool = False) -> None: ...
+
+    def record_prior_event(self, trainer: pl.Trainer, handoff: LiveHandoff, waited: float) -> None: ...
+
+    def prepare_next_fit(self, *, handoff: LiveHandoff | None = None, rollback: Rollback | None = None,
+                         dropped: list[str] | None = None) -> None: ...
