@@ -24,7 +24,8 @@ import torch.distributed.launcher.api as launcher_api
 import torch.distributed.run as torch_run
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from lightning_emig.launcher.agent import ENV_RDZV_ENDPOINT, MembershipAgent
+from lightning_emig.launcher.agent import MembershipAgent
+from lightning_emig.launcher.control_store import ENV_RDZV_ENDPOINT
 
 SEAM = "torch.distributed.launcher.api.LocalElasticAgent"
 

@@ -184,7 +184,7 @@ def test_the_agent_rejoins_only_when_every_failed_worker_was_left_out() -> None:
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from lightning_emig.launcher.agent import _all_exited_with, _no_holders_left
+    from lightning_emig.launcher.agent import _joiner_exit
 
     def failed(*codes: int) -> RunResult:
         failures = {}
@@ -194,12 +194,12 @@ def test_the_agent_rejoins_only_when_every_failed_worker_was_left_out() -> None:
             failures[rank] = failure
         return RunResult(state=WorkerState.FAILED, failures=failures)
 
-    assert _all_exited_with(failed(LEFT_OUT_EXIT_CODE, LEFT_OUT_EXIT_CODE), LEFT_OUT_EXIT_CODE)
-    assert not _all_exited_with(failed(LEFT_OUT_EXIT_CODE, 1), LEFT_OUT_EXIT_CODE)
-    assert not _all_exited_with(failed(-9), LEFT_OUT_EXIT_CODE)
-    assert _no_holders_left(failed(NO_HOLDERS_EXIT_CODE, LEFT_OUT_EXIT_CODE))  # nobody admits either of them
-    assert not _no_holders_left(failed(LEFT_OUT_EXIT_CODE)) and not _no_holders_left(failed(NO_HOLDERS_EXIT_CODE, 1))
-    assert not _all_exited_with(RunResult(state=WorkerState.FAILED), LEFT_OUT_EXIT_CODE)
+    assert _joiner_exit(failed(LEFT_OUT_EXIT_CODE, LEFT_OUT_EXIT_CODE)) == LEFT_OUT_EXIT_CODE
+    assert _joiner_exit(failed(LEFT_OUT_EXIT_CODE, 1)) is None
+    assert _joiner_exit(failed(-9)) is None
+    assert _joiner_exit(failed(NO_HOLDERS_EXIT_CODE, LEFT_OUT_EXIT_CODE)) == NO_HOLDERS_EXIT_CODE  # nobody admits
+    assert _joiner_exit(failed(NO_HOLDERS_EXIT_CODE, 1)) is None
+    assert _joiner_exit(RunResult(state=WorkerState.FAILED)) is None
 
 
 def test_a_failed_node_sees_the_survivors_go_on_without_it_even_past_an_overlapping_round() -> None:

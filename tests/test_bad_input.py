@@ -15,7 +15,7 @@ from torch import nn
 @pytest.mark.parametrize("nnodes", ["0:2", "3:2", "0"])
 def test_nnodes_that_cannot_hold_a_job_are_refused_with_an_example(nnodes: str, monkeypatch: pytest.MonkeyPatch
                                                                    ) -> None:
-    from lightning_emig.launcher.agent import ENV_RDZV_ENDPOINT
+    from lightning_emig.launcher.control_store import ENV_RDZV_ENDPOINT
     from lightning_emig.run import check_arguments
 
     monkeypatch.setenv(ENV_RDZV_ENDPOINT, "")  # check_arguments tells the agent (this process) the endpoint

@@ -27,7 +27,8 @@ from torch.distributed.elastic.agent.server.api import WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from lightning_emig import run as emig_run
-from lightning_emig.launcher.agent import MembershipAgent, find_tcp_store
+from lightning_emig.launcher.agent import MembershipAgent
+from lightning_emig.launcher.control_store import ControlStoreError, find_tcp_store
 from lightning_emig.launcher.generation import (
     GenerationError,
     GenerationInfo,
@@ -175,7 +176,7 @@ def test_control_store_is_the_tcp_store_under_the_round_prefixes() -> None:
     round_store = dist.PrefixStore("torch.rendezvous.r.1", dist.PrefixStore("outer", tcp))
     found = find_tcp_store(round_store)
     assert (found.host, found.port) == ("127.0.0.1", tcp.port)
-    with pytest.raises(GenerationError, match="TCPStore-backed"):
+    with pytest.raises(ControlStoreError, match="TCPStore-backed"):
         find_tcp_store(dist.PrefixStore("x", dist.HashStore()))
 
 
@@ -375,22 +376,20 @@ def test_an_agent_knows_whether_it_hosts_the_rendezvous_store_and_warns_when_tha
     and the agent says so (the others say nothing)."""
     import logging
     from datetime import timedelta
-    from types import SimpleNamespace
 
     import torch.distributed as dist
 
-    from lightning_emig.launcher.agent import MembershipAgent
-    from lightning_emig.launcher.store_host import hosts_port
+    from lightning_emig.launcher.store_host import hosts_port, warn_if_hosting
     from lightning_emig.testing.distributed import free_port
 
     hosted = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
     elsewhere = free_port()
     assert hosts_port(hosted.port) is True
     assert hosts_port(elsewhere) is False
-    with caplog.at_level(logging.ERROR, logger="lightning_emig.launcher.agent"):
-        MembershipAgent._warn_if_store_host(SimpleNamespace(node_id="n", _control_address=f"127.0.0.1:{elsewhere}"))
+    with caplog.at_level(logging.ERROR, logger="lightning_emig.launcher.store_host"):
+        warn_if_hosting(f"127.0.0.1:{elsewhere}", "n")
         assert not caplog.records
-        MembershipAgent._warn_if_store_host(SimpleNamespace(node_id="n", _control_address=f"127.0.0.1:{hosted.port}"))
+        warn_if_hosting(f"127.0.0.1:{hosted.port}", "n")
     assert "THIS NODE HOSTS THE RENDEZVOUS STORE" in caplog.text
 
 

@@ -60,14 +60,18 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousError
 
-from lightning_emig.launcher.control_store import ETCD_SCHEME, open_control_store, parse_host_port
+from lightning_emig.launcher.control_store import (
+    ENV_RDZV_ENDPOINT,
+    ETCD_BACKEND,
+    ETCD_SCHEME,
+    find_tcp_store,
+    open_control_store,
+)
 from lightning_emig.launcher.generation import (
     ACTIVE_GENERATION_KEY,
     ENV_AGENT_PID,
-    HEARTBEAT_TIMEOUT_KEY,
     LEFT_OUT_EXIT_CODE,
     NO_HOLDERS_EXIT_CODE,
-    GenerationError,
     NodeEntry,
     agent_heartbeat_key,
     control_prefix,
@@ -76,22 +80,25 @@ from lightning_emig.launcher.generation import (
     latest_generation,
     leaving_key,
     make_node_id,
+    nodes_in_latest_generation,
     publish_generation,
     raise_key,
     read_generation,
     ready_key,
     worker_env,
 )
-from lightning_emig.launcher.heartbeat import (
-    Heartbeat,
-    HeartbeatWatch,
-    forget_holders,
-    heartbeat_timeout,
-    holders_alive,
-    mark_gone,
+from lightning_emig.launcher.heartbeat import Heartbeat, HoldersMonitor, forget_holders, mark_gone
+from lightning_emig.launcher.rounds import (
+    REFUSED_ROUNDS_S,
+    ROUND_ATTEMPTS,
+    ROUND_GENERATION_KEY,
+    ROUND_REFUSED,
+    RoundRefusedError,
+    holders_missing,
+    leave_round,
+    round_node_key,
 )
-from lightning_emig.launcher.rounds import REFUSED_ROUNDS_S, ROUND_REFUSED, RoundRefusedError, holders_missing
-from lightning_emig.launcher.store_host import hosts_port
+from lightning_emig.launcher.store_host import warn_if_hosting
 
 logger = logging.getLogger(__name__)
 
@@ -110,57 +117,21 @@ ENV_PREEMPT_FILE = "LIGHTNING_EMIG_PREEMPT_FILE"
 ENV_FAILURE_WAIT_S = "LIGHTNING_EMIG_FAILURE_WAIT_S"
 """Seconds a node whose workers failed waits for the survivors' generation before it rejoins regardless."""
 
-HOLDERS_POLL_S = 0.5
-"""How often the monitor loop looks at the holders' heartbeats (``holds/``): a few store reads each time."""
-
 AGENT_HEARTBEAT_S = 1.0
 """How often an agent rewrites its heartbeat (``hb/<node_id>/agent``)."""
-
-ENV_RDZV_ENDPOINT = "LIGHTNING_EMIG_RDZV_ENDPOINT"
-"""``--rdzv-endpoint`` as ``lightning-emig-run`` read it (the etcd server, with ``--rdzv-backend=etcd-v2``)."""
-
-ETCD_BACKEND = "etcd-v2"
-
-ROUND_ATTEMPTS = 3
-"""A rendezvous round in which a node died (its entries never come: torch's rank assignment or our node entries time
-out) is run again: the others are alive, and without this the agent — perhaps the one hosting the c10d store — would
-exit and take the job with it."""
-
-ROUND_GENERATION_KEY = "lightning_emig/generation"
-"""Key in the rendezvous round's own store through which rank 0 hands the round its generation number."""
-
-
-def round_node_key(group_rank: int) -> str:
-    """Key in the round's own store where each agent leaves its :class:`NodeEntry` for rank 0."""
-    return f"lightning_emig/node/{group_rank}"
-
-
-def find_tcp_store(store: dist.Store) -> dist.TCPStore:
-    """The TCPStore under the rendezvous round's PrefixStore(s): the control store."""
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    if not isinstance(store, dist.TCPStore):
-        raise GenerationError(
-            f"lightning-emig-run needs a TCPStore-backed rendezvous (--rdzv-backend=c10d with a host:port "
-            f"endpoint); the rendezvous store is a {type(store).__name__}"
-        )
-    return store
-
 
 class _LeaveJob(Exception):  # noqa: N818 - a way out, not an error
     """This preempted node has nothing (left) to hand off: its agent leaves the job, exit 0 (see
     ``MembershipAgent.run``)."""
 
 
-def _all_exited_with(result: RunResult, code: int) -> bool:
-    """Every failed worker exited with ``code`` (a joiner's: left out, or no holder left)."""
-    return bool(result.failures) and all(failure.exitcode == code for failure in result.failures.values())
-
-
-def _no_holders_left(result: RunResult) -> bool:
-    """Some failed joiner found no holder left, the others were left out (they too wait for nobody)."""
+def _joiner_exit(result: RunResult) -> int | None:
+    """:data:`LEFT_OUT_EXIT_CODE` when every failed worker was a joiner left out, :data:`NO_HOLDERS_EXIT_CODE` when
+    one found no holder left and the others were left out (they too wait for nobody); else None (a real failure)."""
     codes = {failure.exitcode for failure in result.failures.values()}
-    return NO_HOLDERS_EXIT_CODE in codes and codes <= {NO_HOLDERS_EXIT_CODE, LEFT_OUT_EXIT_CODE}
+    if codes == {LEFT_OUT_EXIT_CODE}:
+        return LEFT_OUT_EXIT_CODE
+    return NO_HOLDERS_EXIT_CODE if NO_HOLDERS_EXIT_CODE in codes <= {NO_HOLDERS_EXIT_CODE, LEFT_OUT_EXIT_CODE} else None
 
 
 class MembershipAgent(LocalElasticAgent):
@@ -189,9 +160,7 @@ class MembershipAgent(LocalElasticAgent):
         self.min_nodes = int(getattr(settings, "min_nodes", 1))
         self.max_nodes = int(getattr(settings, "max_nodes", self.min_nodes))
         self.failure_wait_s = float(os.environ.get(ENV_FAILURE_WAIT_S, "120"))
-        self._holders_watch: HeartbeatWatch | None = None
-        self._holders_checked_at = -HOLDERS_POLL_S
-        self._holders_seen = True
+        self._holders: HoldersMonitor | None = None
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         # torch's loop sets the group state before calling us: HEALTHY means "nodes are waiting".
@@ -252,21 +221,13 @@ class MembershipAgent(LocalElasticAgent):
         self._control.set(dead_key(self.node_id), json.dumps({"time": time.time(), "generation": self.generation}))
 
     def _live_holders(self, *, fresh: bool = False) -> bool:
-        """Whether some worker of the job still holds the live state (:func:`~lightning_emig.launcher.heartbeat.
-        holders_alive`). The monitor loop asks every :data:`HOLDERS_POLL_S` so that the watch's timers run all along
-        and a decision (``fresh``) needs no heartbeat timeout of its own. True until the workers have published their
-        heartbeat timeout (before they start nobody holds anything to lose)."""
+        """Whether some worker of the job still holds the live state (:class:`~lightning_emig.launcher.heartbeat.
+        HoldersMonitor`; True without live membership: nothing is carried over then anyway)."""
         if self._control is None or not self.live_membership:
             return True
-        if self._holders_watch is None:
-            if not self._control.check([HEARTBEAT_TIMEOUT_KEY]):
-                return True
-            self._holders_watch = HeartbeatWatch(self._control, heartbeat_timeout(self._control))
-        now = time.monotonic()
-        if fresh or now - self._holders_checked_at >= HOLDERS_POLL_S:
-            self._holders_checked_at = now
-            self._holders_seen = holders_alive(self._control, self._holders_watch)
-        return self._holders_seen
+        if self._holders is None:
+            self._holders = HoldersMonitor(self._control)
+        return self._holders.alive(fresh=fresh)
 
     def _continue_workers_in_next_round(self, worker_group: WorkerGroup) -> None:
         started = time.monotonic()
@@ -394,8 +355,7 @@ class MembershipAgent(LocalElasticAgent):
             return super().run(role)
         except _LeaveJob as why:
             logger.warning("[%s] %s: nothing to hand off; leaving the rendezvous", self.node_id, why)
-            self._exit_rendezvous_round()
-            self._worker_group.spec.rdzv_handler.shutdown = lambda: True  # one node leaves: the job goes on
+            self._leave_job()
             return RunResult(state=WorkerState.SUCCEEDED)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
@@ -444,11 +404,10 @@ class MembershipAgent(LocalElasticAgent):
             # for the survivors it is a failure (marked, so they need not wait for stale heartbeats).
             self._mark_dead(worker_group)
             raise _LeaveJob("preemption notice, and this node's workers failed")
-        if result.state == WorkerState.FAILED and _all_exited_with(result, LEFT_OUT_EXIT_CODE):
-            self._rejoin_left_out(worker_group)
-            return RunResult(state=WorkerState.HEALTHY)
-        if result.state == WorkerState.FAILED and _no_holders_left(result):
-            self._restart_without_holders(worker_group)
+        joiner_exit = _joiner_exit(result) if result.state == WorkerState.FAILED else None
+        if joiner_exit is not None:  # not a failure: no restart spent, nothing marked dead
+            rejoin = self._rejoin_left_out if joiner_exit == LEFT_OUT_EXIT_CODE else self._restart_without_holders
+            rejoin(worker_group)
             return RunResult(state=WorkerState.HEALTHY)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self._remaining_restarts == 0:
             self._fail_without_restart()
@@ -483,8 +442,7 @@ class MembershipAgent(LocalElasticAgent):
         self._mark_dead(self._worker_group)
         logger.error("[%s] WORKER FAILURE and no restart left (--max-restarts): this node leaves the job",
                      self.node_id)
-        self._exit_rendezvous_round()
-        self._worker_group.spec.rdzv_handler.shutdown = lambda: True
+        self._leave_job()
 
     def _announce_leaving(self, worker_group: WorkerGroup) -> None:
         if self._leaving_deadline is None:
@@ -493,7 +451,7 @@ class MembershipAgent(LocalElasticAgent):
                 self._control.set(leaving_key(self.node_id), json.dumps({"deadline": time.time() + self.grace_s}))
             logger.warning("[%s] preemption notice: workers hand off their state and exit within %.0fs",
                            self.node_id, self.grace_s)
-            self._warn_if_store_host()
+            warn_if_hosting(self._control_address, self.node_id)
         elif time.monotonic() > self._leaving_deadline:
             # The node goes as announced, whatever its workers were doing (recovering from a peer's failure, say):
             # exit 0, as for any preempted node; for the survivors it is an abrupt failure, marked so.
@@ -506,23 +464,12 @@ class MembershipAgent(LocalElasticAgent):
             self._stop_workers(worker_group)
             raise _LeaveJob("preemption grace period ran out")
 
-    def _warn_if_store_host(self) -> None:
-        """The c10d backend's store lives in one agent: when that node goes, the job's control store goes too."""
-        if not self._control_address or self._control_address.startswith(ETCD_SCHEME):
-            return  # etcd: no node of the job hosts the store
-        port = parse_host_port(self._control_address)[1]
-        if hosts_port(port):
-            logger.error(
-                "[%s] THIS NODE HOSTS THE RENDEZVOUS STORE (--rdzv-backend=c10d, port %d): when it leaves, every other "
-                "node loses the job's store and the job ends. Pin the store to a node that is not preempted "
-                "(--rdzv-conf=is_host=true on that node only).", self.node_id, port,
-            )
-
     def _exit_barrier(self) -> None:
-        if self._leaving_deadline is not None:
-            self._leave_rendezvous()
+        if self._leaving_deadline is not None:  # preempted, its workers handed off their state
+            logger.warning("[%s] workers handed off their state and exited; leaving the job", self.node_id)
+            self._leave_job()
             return
-        nodes = self._nodes_in_latest_generation()
+        nodes = nodes_in_latest_generation(self._control) if self._control is not None else None
         if nodes is None or nodes == self._worker_group.group_world_size:
             super()._exit_barrier()
             return
@@ -538,33 +485,14 @@ class MembershipAgent(LocalElasticAgent):
         except Exception:
             logger.exception("error waiting on the exit barrier")
 
-    def _nodes_in_latest_generation(self) -> int | None:
-        if self._control is None:
-            return None
-        try:
-            latest = latest_generation(self._control)
-            return len(read_generation(self._control, latest).nodes) if latest >= 0 else None
-        except Exception:  # noqa: BLE001 - the store may be gone at the very end; fall back to torchrun's barrier
-            return None
-
-    def _leave_rendezvous(self) -> None:
-        """A preempted node whose workers handed off their state: leave the rendezvous, do not close it."""
-        handler: Any = self._worker_group.spec.rdzv_handler
-        logger.warning("[%s] workers handed off their state and exited; leaving the job", self.node_id)
+    def _leave_job(self) -> None:
+        """This node leaves a job that goes on: out of the rendezvous round, and the rendezvous left open
+        (``launch_agent`` closes it on success, when the whole job is over)."""
         self._exit_rendezvous_round()
-        # launch_agent closes the rendezvous on success (the job is over): not when one node leaves.
-        handler.shutdown = lambda: True
+        self._worker_group.spec.rdzv_handler.shutdown = lambda: True
 
     def _exit_rendezvous_round(self) -> None:
         """Remove this node from the rendezvous round (once), without closing the rendezvous."""
-        if self._left_round:
-            return
-        self._left_round = True
-        handler: Any = self._worker_group.spec.rdzv_handler
-        try:  # DynamicRendezvousHandler internals (torch 2.13): stop heartbeats, remove this node from the round
-            from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
-
-            handler._stop_heartbeats()  # noqa: SLF001
-            handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + 30)  # noqa: SLF001
-        except Exception:  # noqa: BLE001 - the survivors' rendezvous then drops us by heartbeat timeout
-            logger.warning("could not leave the rendezvous explicitly", exc_info=True)
+        if not self._left_round:
+            self._left_round = True
+            leave_round(self._worker_group.spec.rdzv_handler)

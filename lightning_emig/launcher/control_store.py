@@ -22,7 +22,15 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+import torch.distributed as dist
+
 ETCD_SCHEME = "etcd://"
+
+
+ENV_RDZV_ENDPOINT = "LIGHTNING_EMIG_RDZV_ENDPOINT"
+"""``--rdzv-endpoint`` as ``lightning-emig-run`` read it (the etcd server, with ``--rdzv-backend=etcd-v2``)."""
+
+ETCD_BACKEND = "etcd-v2"
 
 
 class ControlStoreError(RuntimeError):
@@ -134,3 +142,15 @@ class EtcdControlStore:
             return True
         except self._etcd.EtcdKeyNotFound:
             return False
+
+
+def find_tcp_store(store: dist.Store) -> dist.TCPStore:
+    """The TCPStore under the rendezvous round's PrefixStore(s): the control store."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if not isinstance(store, dist.TCPStore):
+        raise ControlStoreError(
+            f"lightning-emig-run needs a TCPStore-backed rendezvous (--rdzv-backend=c10d with a host:port "
+            f"endpoint); the rendezvous store is a {type(store).__name__}"
+        )
+    return store

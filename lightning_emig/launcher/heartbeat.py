@@ -103,6 +103,9 @@ def heartbeat_timeout(client: Any, default_s: float = 10.0) -> float:
     return float(client.get(HEARTBEAT_TIMEOUT_KEY)) if client.check([HEARTBEAT_TIMEOUT_KEY]) else default_s
 
 
+HOLDERS_POLL_S = 0.5
+"""How often an agent's monitor loop looks at the holders' heartbeats (a few store reads each time)."""
+
 GONE = b"gone"
 """The value an agent writes to its workers' ``holds/`` keys when those processes are gone (failed, stopped, replaced
 by fresh ones): gone at once, not after the heartbeat timeout, and never taken for a process still starting up."""
@@ -178,3 +181,25 @@ class HeartbeatWatch:
             self._last[key] = (value, now)
             return False
         return now - last[1] > self.timeout_s
+
+
+class HoldersMonitor:
+    """An agent's view of :func:`holders_alive`, read at most every :data:`HOLDERS_POLL_S` by its monitor loop so
+    that the watch's timers run all along and a decision (``fresh``) needs no heartbeat timeout of its own. True
+    until the workers published their heartbeat timeout (before they start nobody holds anything to lose)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self._watch: HeartbeatWatch | None = None
+        self._read_at = -HOLDERS_POLL_S
+        self._seen = True
+
+    def alive(self, *, fresh: bool = False) -> bool:
+        if self._watch is None:
+            if not self.client.check([HEARTBEAT_TIMEOUT_KEY]):
+                return True
+            self._watch = HeartbeatWatch(self.client, heartbeat_timeout(self.client))
+        now = time.monotonic()
+        if fresh or now - self._read_at >= HOLDERS_POLL_S:
+            self._read_at, self._seen = now, holders_alive(self.client, self._watch)
+        return self._seen

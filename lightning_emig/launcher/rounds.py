@@ -9,6 +9,7 @@ all started, would train from a checkpoint beside the holders. The round's rank-
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -21,6 +22,8 @@ from lightning_emig.launcher.generation import (
     read_generation,
 )
 
+log = logging.getLogger(__name__)
+
 REFUSED_ROUNDS_S = 600.0
 """How long rounds may be refused for missing holders before the agent gives up (see :func:`holders_missing`)."""
 
@@ -29,6 +32,20 @@ ROUND_REFUSED = "refused"
 
 HOLDER_ALIVE_WINDOW_S = 5.0
 """A node of the holders' generation is alive when one of its workers' heartbeats changes within this window."""
+
+
+ROUND_ATTEMPTS = 3
+"""A rendezvous round in which a node died (its entries never come: torch's rank assignment or our node entries time
+out) is run again: the others are alive, and without this the agent — perhaps the one hosting the c10d store — would
+exit and take the job with it."""
+
+ROUND_GENERATION_KEY = "lightning_emig/generation"
+"""Key in the rendezvous round's own store through which rank 0 hands the round its generation number."""
+
+
+def round_node_key(group_rank: int) -> str:
+    """Key in the round's own store where each agent leaves its :class:`NodeEntry` for rank 0."""
+    return f"lightning_emig/node/{group_rank}"
 
 
 class RoundRefusedError(RuntimeError):
@@ -63,3 +80,16 @@ def holders_missing(control: Any, nodes: list[NodeEntry], window_s: float = HOLD
 
 def _read(control: Any, key: str) -> bytes | None:
     return control.get(key) if control.check([key]) else None
+
+
+def leave_round(handler: Any) -> None:
+    """Remove this node from the current rendezvous round without closing the rendezvous (a node leaving a job that
+    goes on). torch has no public call for it: ``DynamicRendezvousHandler``'s heartbeats and exit operation (torch
+    2.13), used here only, pinned by ``tests/test_launcher.py``."""
+    try:
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
+
+        handler._stop_heartbeats()  # noqa: SLF001
+        handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + 30)  # noqa: SLF001
+    except Exception:  # noqa: BLE001 - the survivors' rendezvous then drops us by heartbeat timeout
+        log.warning("could not leave the rendezvous explicitly", exc_info=True)

@@ -8,8 +8,13 @@ process's own file descriptors (Linux ``/proc``; elsewhere: unknown, None).
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
+
+from lightning_emig.launcher.control_store import ETCD_SCHEME, parse_host_port
+
+log = logging.getLogger(__name__)
 
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp
 
@@ -35,3 +40,17 @@ def hosts_port(port: int) -> bool | None:
         except OSError:  # closed meanwhile
             continue
     return bool(listening & own)
+
+
+def warn_if_hosting(control_address: str, node_id: str) -> None:
+    """A node that got a notice: with the c10d backend the store lives in one agent, and when that node goes, the
+    job's control store goes too. Say so loudly when it is this one."""
+    if not control_address or control_address.startswith(ETCD_SCHEME):
+        return  # etcd: no node of the job hosts the store
+    port = parse_host_port(control_address)[1]
+    if hosts_port(port):
+        log.error(
+            "[%s] THIS NODE HOSTS THE RENDEZVOUS STORE (--rdzv-backend=c10d, port %d): when it leaves, every other "
+            "node loses the job's store and the job ends. Pin the store to a node that is not preempted "
+            "(--rdzv-conf=is_host=true on that node only).", node_id, port,
+        )
