@@ -73,8 +73,11 @@ class ChaosResult:
         downtimes = sorted(e["downtime_seconds"] for e in self.events if e.get("downtime_seconds") is not None)
         spread = (f"median {downtimes[len(downtimes) // 2]:.2f}s, max {downtimes[-1]:.2f}s over {len(downtimes)}"
                   if downtimes else "none recorded")
+        detects = [e["seconds"]["detect"] for e in self.events if e["kind"] == "failure" and "detect" in e["seconds"]]
+        detect = f"max {max(detects):.2f}s over {len(detects)} failure(s)" if detects else "no failure event"
         out += ["", f"Rollbacks: {sum(_is_rollback(e) for e in self.events)}, steps lost (declared): "
-                    f"{self.steps_lost}. Downtime per change: {spread}. Worst relative loss gap: {gap} "
+                    f"{self.steps_lost}. Downtime per change: {spread}. Failure detection (last seen alive to the "
+                    f"survivors' decision): {detect}. Worst relative loss gap: {gap} "
                     f"(tolerance {self.loss_tolerance:.1e}). Ledger: {self.ledger}", "",
                 "## Schedule as played", "", "| # | at (s) | step | event | note |", "|---|---|---|---|---|"]
         out += [f"| {i} | {p.at_s:.1f} | {p.step} | {p.event.describe()} | {p.note} |"
