@@ -10,7 +10,7 @@ import torch
 
 from lightning_emig.layout import HybridLayout, build_mesh
 from lightning_emig.migration.engine import migrate
-from lightning_emig.migration.planner import IdentityMap, ProcessInfo
+from lightning_emig.migration.identity import IdentityMap, ProcessInfo
 from lightning_emig.migration.state import (
     StateTensor,
     adopt_optimizer_state,

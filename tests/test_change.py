@@ -40,7 +40,7 @@ def test_a_drain_lays_the_survivors_buffers_out_in_the_order_that_keeps_them() -
     that order would put the FSDP groups across them: the default stays."""
     from lightning_emig.migration.change import in_place_order
     from lightning_emig.migration.engine import tensor_migrations
-    from lightning_emig.migration.planner import IdentityMap, ProcessInfo
+    from lightning_emig.migration.identity import IdentityMap, ProcessInfo
     from lightning_emig.migration.rank_order import bytes_in_place, choose_rank_order
 
     specs = _fsdp_specs()

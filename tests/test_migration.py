@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from lightning_emig.layout import HybridLayout, LayoutMesh, build_mesh
 from lightning_emig.migration.engine import MigrationFailedError, migrate
-from lightning_emig.migration.planner import IdentityMap, ProcessInfo, StateLostError
+from lightning_emig.migration.identity import IdentityMap, ProcessInfo
+from lightning_emig.migration.planner import StateLostError
 from lightning_emig.migration.state import ShardingSpec, StateTensor, allocate_optimizer_state, training_state
 from lightning_emig.migration.transfer import (
     IN_PLACE_MIN_BYTES,

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from lightning_emig.layout import HybridLayout
-from lightning_emig.migration.planner import IdentityMap, TensorMigration, plan_all
+from lightning_emig.migration.identity import IdentityMap
+from lightning_emig.migration.planner import TensorMigration, plan_all
 from lightning_emig.migration.rank_order import choose_rank_order
 from lightning_emig.models.llama import MODEL_SIZES, Llama
 from lightning_emig.pick import main as pick_main

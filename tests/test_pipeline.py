@@ -17,7 +17,7 @@ from lightning_emig.layout import HybridLayout, build_mesh
 from lightning_emig.migration.change import allocate_shards, whole_state_specs
 from lightning_emig.migration.engine import migrate
 from lightning_emig.migration.geometry import rank_to_coordinate
-from lightning_emig.migration.planner import IdentityMap, ProcessInfo
+from lightning_emig.migration.identity import IdentityMap, ProcessInfo
 from lightning_emig.migration.stages import split_stages
 from lightning_emig.migration.state import allocate_optimizer_state, training_state
 from lightning_emig.models.llama import Llama, LlamaConfig, causal_lm_loss, get_model_config

@@ -20,11 +20,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_emig.layout import HybridLayout
 from lightning_emig.migration.geometry import ShardBox, TensorSharding
+from lightning_emig.migration.identity import IdentityMap, PlanError, ProcessInfo
 from lightning_emig.migration.planner import (
-    IdentityMap,
-    PlanError,
     PlanOptions,
-    ProcessInfo,
     RankPlan,
     StateLostError,
     TensorMigration,

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from lightning_emig.layout import HybridLayout
-from lightning_emig.migration.planner import IdentityMap, RankPlan, plan_all
+from lightning_emig.migration.identity import IdentityMap
+from lightning_emig.migration.planner import RankPlan, plan_all
 from lightning_emig.models.llama import LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))

@@ -19,7 +19,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_emig.layout import HybridLayout
 from lightning_emig.migration.geometry import ShardBox, TensorSharding
-from lightning_emig.migration.planner import IdentityMap, TensorMigration, Transfer, plan_all
+from lightning_emig.migration.identity import IdentityMap
+from lightning_emig.migration.planner import TensorMigration, Transfer, plan_all
 from lightning_emig.migration.transfer import (
     TransferOptions,
     _pack,

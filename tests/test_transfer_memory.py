@@ -28,7 +28,7 @@ from lightning_emig.host_memory import keep_freed_host_memory
 from lightning_emig.layout import HybridLayout
 from lightning_emig.migration.change import allocate_shards
 from lightning_emig.migration.engine import migrate
-from lightning_emig.migration.planner import IdentityMap
+from lightning_emig.migration.identity import IdentityMap
 from lightning_emig.migration.state import ShardingSpec, StateTensor
 from lightning_emig.migration.transfer import TransferOptions, local_bytes, memory_bound_bytes
 from lightning_emig.testing import memory

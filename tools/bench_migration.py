@@ -95,7 +95,7 @@ from lightning_emig.layout import (
     degrees_from_short,
 )
 from lightning_emig.migration.engine import migrate
-from lightning_emig.migration.planner import IdentityMap
+from lightning_emig.migration.identity import IdentityMap
 from lightning_emig.migration.state import (
     ShardingSpec,
     allocate_optimizer_state,

@@ -27,7 +27,8 @@ from lightning_emig.layout import HybridLayout, build_mesh
 from lightning_emig.migration import geometry
 from lightning_emig.migration import state as state_module
 from lightning_emig.migration.engine import tensor_migrations
-from lightning_emig.migration.planner import IdentityMap, PlanOptions, ProcessInfo, plan_for_rank
+from lightning_emig.migration.identity import IdentityMap, ProcessInfo
+from lightning_emig.migration.planner import PlanOptions, plan_for_rank
 from lightning_emig.migration.state import ShardingSpec, spec_of
 from lightning_emig.models.llama import Llama, get_model_config
 from lightning_emig.parallelize import parallelize_model

@@ -72,10 +72,9 @@ from dataclasses import asdict, dataclass
 
 from lightning_emig.layout import HybridLayout, MeshAxis
 from lightning_emig.migration import geometry
+from lightning_emig.migration.identity import IdentityMap, ProcessInfo
 from lightning_emig.migration.planner import (
-    IdentityMap,
     PlanOptions,
-    ProcessInfo,
     RankPlan,
     TensorMigration,
     Transfer,

@@ -70,7 +70,8 @@ from lightning_emig.migration.change import (
     whole_state_specs,
 )
 from lightning_emig.migration.engine import MigrationFailedError
-from lightning_emig.migration.planner import IdentityMap, ProcessInfo, StateLostError
+from lightning_emig.migration.identity import IdentityMap, ProcessInfo
+from lightning_emig.migration.planner import StateLostError
 from lightning_emig.migration.state import release_storage
 
 if TYPE_CHECKING:

@@ -46,7 +46,7 @@ from lightning_emig.migration.change import (
     in_place_order,
     whole_state_specs,
 )
-from lightning_emig.migration.planner import IdentityMap, ProcessInfo
+from lightning_emig.migration.identity import IdentityMap, ProcessInfo
 from lightning_emig.migration.state import release_storage
 
 if TYPE_CHECKING:

@@ -21,12 +21,10 @@ from lightning_emig.migration.geometry import (
     shard_boxes,
     shard_holdings,
 )
+from lightning_emig.migration.identity import IdentityMap, PlanError, ProcessInfo
 from lightning_emig.migration.planner import (
-    IdentityMap,
     LostFragment,
-    PlanError,
     PlanOptions,
-    ProcessInfo,
     RankPlan,
     StateLostError,
     TensorMigration,

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from lightning_emig.layout import HybridLayout
 from lightning_emig.migration.engine import migrate, tensor_migrations, union_specs
-from lightning_emig.migration.planner import IdentityMap
+from lightning_emig.migration.identity import IdentityMap
 from lightning_emig.migration.rank_order import choose_rank_order
 from lightning_emig.migration.state import ShardingSpec, StateTensor
 from lightning_emig.migration.transfer import TransferOptions

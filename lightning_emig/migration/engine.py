@@ -39,13 +39,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_emig.layout import HybridLayout
-from lightning_emig.migration.planner import (
-    IdentityMap,
-    PlanOptions,
-    RankPlan,
-    TensorMigration,
-    plan_for_rank,
-)
+from lightning_emig.migration.identity import IdentityMap
+from lightning_emig.migration.planner import PlanOptions, RankPlan, TensorMigration, plan_for_rank
 from lightning_emig.migration.state import ShardingSpec, StateTensor, free_storage, storage_key, storages_of
 from lightning_emig.migration.transfer import TransferOptions, TransferStats, run_transfer
 

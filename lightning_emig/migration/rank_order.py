@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 from lightning_emig.layout import DEFAULT_RANK_ORDER, HybridLayout, MeshAxis
 from lightning_emig.migration.geometry import Holding
-from lightning_emig.migration.planner import IdentityMap, TensorMigration
+from lightning_emig.migration.identity import IdentityMap
+from lightning_emig.migration.planner import TensorMigration
 
 #: Axes whose groups talk in every step (all-gathers, reduce-scatters): kept within nodes.
 LOCAL_AXES: tuple[MeshAxis, ...] = (MeshAxis.TP, MeshAxis.DP_SHARD)

@@ -22,7 +22,8 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from lightning_emig.migration.geometry import REPLICATE, PlacementSpec, TensorSharding
-from lightning_emig.migration.planner import IdentityMap, ProcessInfo, TensorMigration
+from lightning_emig.migration.identity import IdentityMap, ProcessInfo
+from lightning_emig.migration.planner import TensorMigration
 from lightning_emig.migration.rank_order import bytes_in_place, choose_rank_order
 from lightning_emig.migration.stages import stage_holding
 from lightning_emig.picker.shapes import ParamTensor, param_counts, param_tensors

@@ -69,7 +69,7 @@ from lightning_emig.membership.settings import (
     validate_layout_for_module,
 )
 from lightning_emig.migration.change import ChangeRecord
-from lightning_emig.migration.planner import IdentityMap
+from lightning_emig.migration.identity import IdentityMap
 from lightning_emig.migration.state import storages_of, training_state
 from lightning_emig.migration.transfer import DEFAULT_BUCKET_BYTES, TransferOptions
 from lightning_emig.strategy.async_checkpoint import AsyncCheckpointWriter

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from lightning_emig.layout import HybridLayout
 from lightning_emig.membership.handoff import LiveHandoff
 from lightning_emig.migration.change import ChangeRecord, execute_change, whole_state_specs
-from lightning_emig.migration.planner import IdentityMap, ProcessInfo
+from lightning_emig.migration.identity import IdentityMap, ProcessInfo
 from lightning_emig.migration.state import (
     ShardingSpec,
     adopt_optimizer_state,

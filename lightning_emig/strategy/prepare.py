@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from lightning_emig.layout import HybridLayout, LayoutMesh, build_mesh
 from lightning_emig.migration.engine import plan_ahead
-from lightning_emig.migration.planner import IdentityMap
+from lightning_emig.migration.identity import IdentityMap
 from lightning_emig.migration.state import ShardingSpec, planned_optimizer_specs, training_state
 from lightning_emig.parallelize.init import materialization_deferred
 from lightning_emig.strategy.rebuild import (

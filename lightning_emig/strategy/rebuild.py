@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 from lightning_emig.launcher.generation import ENV_NODE_ID
 from lightning_emig.migration.change import whole_state_specs
 from lightning_emig.migration.engine import tensor_migrations
-from lightning_emig.migration.planner import IdentityMap, TensorMigration
+from lightning_emig.migration.identity import IdentityMap
+from lightning_emig.migration.planner import TensorMigration
 from lightning_emig.migration.rank_order import choose_rank_order
 from lightning_emig.migration.state import ShardingSpec, training_state
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_emig.layout import HybridLayout, build_mesh
 from lightning_emig.migration.change import execute_change, whole_state_specs
-from lightning_emig.migration.planner import IdentityMap
+from lightning_emig.migration.identity import IdentityMap
 from lightning_emig.migration.state import StateTensor, allocate_optimizer_state, training_state
 from lightning_emig.strategy.events import ReconfigureEvent
 from lightning_emig.strategy.prepare import take_prepared
