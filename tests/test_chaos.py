@@ -188,3 +188,22 @@ def test_a_failed_save_is_excused_only_by_a_failure_before_the_next_save_was_due
     assert unexcused_failed_saves(log, [{"kind": "failure", "step": 24}], every=25) == [25, 75]  # before the save
     assert unexcused_failed_saves(log, [{"kind": "failure", "step": 50}], every=25) == [25, 75]  # after the next
     assert unexcused_failed_saves("no failed save here", [], every=25) == []
+
+
+def test_a_rollback_is_excused_only_when_every_replica_was_killed() -> None:
+    from lightning_emig.testing.chaos import ChaosEvent, Played
+    from lightning_emig.testing.chaos_checks import _check_rollbacks
+
+    hsdp = {"dp_replicate": 2, "dp_shard": 1, "tp": 1, "pp": 1}
+    restart = {"kind": "restart", "step": 75, "steps_rolled_back": 2, "old_world": 2, "new_world": 2,
+               "old_layout": hsdp, "new_layout": hsdp}
+    kill_b = Played(ChaosEvent("kill_node", "b1", "127.0.0.3", 7.8), 7.8, 77)
+    kill_a = Played(ChaosEvent("kill_worker", "a", "127.0.0.2", 4.6), 12.4, 77)
+    missed = Played(ChaosEvent("kill_worker", "a", "127.0.0.2", 0.2), 12.6, 77, note="no worker was running")
+    assert not _check_rollbacks([restart], [kill_b]).ok  # one replica left: the live path had a copy
+    assert not _check_rollbacks([restart], [kill_b, missed]).ok  # a kill that found no worker killed nothing
+    both = _check_rollbacks([restart], [kill_b, kill_a])
+    assert both.ok and "every replica's node was killed (a, b1)" in both.detail
+    earlier = Played(ChaosEvent("kill_worker", "a", "127.0.0.2", 1.0), 1.0, 40)
+    assert not _check_rollbacks([restart], [kill_b, earlier]).ok  # killed long before: it had been recovered from
+

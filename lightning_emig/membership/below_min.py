@@ -37,6 +37,11 @@ log = logging.getLogger(__name__)
 POLL_S = 0.5
 
 
+def below_min(generation: int) -> bool:
+    """``generation`` has fewer nodes than ``--nnodes`` MIN."""
+    return len(read_generation(control_client_from_env(), generation).nodes) < min_nodes_from_env()
+
+
 def wait_for_enough_nodes(generation: int, timeout_s: float, *, heartbeat_timeout_s: float, group_timeout: timedelta
                           ) -> int | None:
     """In ``generation``'s (formed) process group: a newer generation with enough nodes to join, or None."""

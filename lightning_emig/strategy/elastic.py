@@ -883,14 +883,15 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
         )
 
     def record_prior_event(self, trainer: pl.Trainer, handoff: LiveHandoff, waited: float) -> None:
-        """Record the failure or preemption that left the survivors below MIN; the join that follows is another
-        event. Called in the survivors' generation (this process's rank is its rank there)."""
+        """Record the change that ``handoff`` carries (a failure or preemption that left the survivors below MIN, or
+        one cut short), ``waited`` seconds after it; what follows is another event. Called in the survivors'
+        generation (this process's rank is its rank there)."""
         prior, handoff.prior = handoff.prior, None
         assert prior is not None
-        seconds = {**handoff.seconds, **prior.seconds, "below_min_wait": waited}
+        seconds = {**handoff.seconds, **prior.seconds, **({"below_min_wait": waited} if waited else {})}
         self.record_event(trainer, ReconfigureEvent.of(dataclasses.replace(prior, seconds=seconds),
                                                         generation=handoff.generation))
-        handoff.seconds = {"below_min_wait": waited}
+        handoff.seconds = {}
 
     def finish_join_event(self, trainer: pl.Trainer, *, interrupted: bool = False) -> None:
         """Record the join once the first step on the new world has finished (or the fit ends without one).

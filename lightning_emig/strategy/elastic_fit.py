@@ -54,7 +54,7 @@ from lightning_emig.launcher.generation import (
     read_generation,
 )
 from lightning_emig.membership.admission import LeftOutError, announce_training_done
-from lightning_emig.membership.below_min import wait_for_enough_nodes
+from lightning_emig.membership.below_min import below_min, wait_for_enough_nodes
 from lightning_emig.membership.failure import (
     RECOVERY_ATTEMPTS,
     Rollback,
@@ -263,13 +263,16 @@ class ElasticFitLauncher(_Launcher):
     def _continue_live(self, trainer: pl.Trainer, handoff: LiveHandoff, dropped: list[str]) -> str | None:
         """Below MIN, wait for joiners with the state in memory; then the next fit takes the handoff live."""
         strategy = self._strategy
-        waiting_since = time.perf_counter()
         settings = strategy.failure_settings
+        if handoff.prior is not None and below_min(handoff.generation):
+            # The change that left too few nodes is an event of its own, recorded before the wait: the survivors may
+            # die waiting, and the next event (a join, or a restart from a checkpoint) must start from its world.
+            strategy.record_prior_event(trainer, handoff, 0.0)
+        waiting_since = time.perf_counter()
         newer = wait_for_enough_nodes(handoff.generation, settings.below_min_timeout_s,
                                       heartbeat_timeout_s=settings.heartbeat_timeout_s, group_timeout=strategy.timeout)
         if newer is not None:  # fewer nodes than MIN were left: join the generation that brought more
-            if handoff.prior is not None:  # the change that left too few nodes is an event of its own
-                strategy.record_prior_event(trainer, handoff, time.perf_counter() - waiting_since)
+            handoff.seconds = {**handoff.seconds, "below_min_wait": time.perf_counter() - waiting_since}
             handoff.generation = newer
             outcome = self._switch(trainer, handoff)
             if outcome is not handoff:  # the switch failed and a holder died meanwhile

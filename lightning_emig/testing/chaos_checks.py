@@ -113,7 +113,7 @@ def check_run(run: ChaosRun, seed: int) -> ChaosResult:
               tuple(run.agents) if run.stopped_early else ()),
         _check_agents(run),
         _check_ledger(ledger, events),
-        _check_rollbacks(events),
+        _check_rollbacks(events, run.played),
         loss_check,
         _check_events(events, summary),
         _check_checkpoints(run, events, summary),
@@ -161,14 +161,31 @@ def _check_ledger(ledger: LedgerReport | None, events: list[dict[str, Any]]) -> 
     return Check("ledger", not problems, "; ".join(problems) or ledger.describe(), (HOST,) if problems else ())
 
 
-def _check_rollbacks(events: list[dict[str, Any]]) -> Check:
-    """No rollback where replicas existed: one node lost from a layout with ``dp_replicate >= 2``."""
-    bad = [e for e in events if _is_rollback(e) and e["old_layout"]["dp_replicate"] >= 2
-           and e["old_world"] - e["new_world"] <= 1]
+def _check_rollbacks(events: list[dict[str, Any]], played: list[Played]) -> Check:
+    """No rollback where replicas existed: one node lost from a layout with ``dp_replicate >= 2`` — unless the
+    schedule killed as many nodes as there were replicas while the job stood at the step the rollback came from
+    (every copy gone before any survivor could record a change: a restart from the checkpoint is right then)."""
+    bad, excused = [], []
+    for event in (e for e in events if _is_rollback(e)):
+        replicas = event["old_layout"]["dp_replicate"]
+        if replicas < 2 or event["old_world"] - event["new_world"] > 1:
+            continue
+        killed = _nodes_killed_at(played, event["step"] + (event.get("steps_rolled_back") or 0))
+        (excused if len(killed) >= replicas else bad).append((event, killed))
     rollbacks = [e for e in events if _is_rollback(e)]
     detail = (f"{len(rollbacks)} rollback(s), none where replicas existed" if not bad else
-              "rolled back although replicas existed: " + "; ".join(_describe_event(e) for e in bad))
+              "rolled back although replicas existed: " + "; ".join(_describe_event(e) for e, _ in bad))
+    if excused:
+        detail += "; " + "; ".join(f"{_describe_event(e)}: every replica's node was killed ({', '.join(k)})"
+                                   for e, k in excused)
     return Check("rollbacks", not bad, detail, (HOST,) if bad else ())
+
+
+def _nodes_killed_at(played: list[Played], step: int) -> list[str]:
+    """The nodes whose worker or whole node the schedule killed while training stood at ``step`` (or one step before
+    it: the step in flight); a kill that found no worker running does not count."""
+    return sorted({p.event.node for p in played if p.event.kind in ("kill_worker", "kill_node")
+                   and step - 1 <= p.step <= step and not p.note})
 
 
 def _check_loss(run: ChaosRun, summary: dict[str, Any] | None, tolerance: float) -> tuple[Check, float | None]:
