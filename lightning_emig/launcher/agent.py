@@ -131,7 +131,8 @@ def _joiner_exit(result: RunResult) -> int | None:
     codes = {failure.exitcode for failure in result.failures.values()}
     if codes == {LEFT_OUT_EXIT_CODE}:
         return LEFT_OUT_EXIT_CODE
-    return NO_HOLDERS_EXIT_CODE if NO_HOLDERS_EXIT_CODE in codes <= {NO_HOLDERS_EXIT_CODE, LEFT_OUT_EXIT_CODE} else None
+    joiners_only = codes <= {NO_HOLDERS_EXIT_CODE, LEFT_OUT_EXIT_CODE}
+    return NO_HOLDERS_EXIT_CODE if joiners_only and NO_HOLDERS_EXIT_CODE in codes else None
 
 
 class MembershipAgent(LocalElasticAgent):

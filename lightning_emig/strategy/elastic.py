@@ -882,13 +882,12 @@ class ElasticMigrationStrategy(ModelParallelStrategy):
             metadata=copy.deepcopy(metadata), last_step_wall=last_step_wall,
         )
 
-    def record_prior_event(self, trainer: pl.Trainer, handoff: LiveHandoff, waited: float) -> None:
-        """Record the change that ``handoff`` carries (a failure or preemption that left the survivors below MIN, or
-        one cut short), ``waited`` seconds after it; what follows is another event. Called in the survivors'
-        generation (this process's rank is its rank there)."""
+    def record_prior_event(self, trainer: pl.Trainer, handoff: LiveHandoff) -> None:
+        """Record the change ``handoff`` carries (one that left the survivors below MIN, or was cut short); what follows
+        is another event. Called in the survivors' generation (this process's rank is its rank there)."""
         prior, handoff.prior = handoff.prior, None
         assert prior is not None
-        seconds = {**handoff.seconds, **prior.seconds, **({"below_min_wait": waited} if waited else {})}
+        seconds = {**handoff.seconds, **prior.seconds}
         self.record_event(trainer, ReconfigureEvent.of(dataclasses.replace(prior, seconds=seconds),
                                                         generation=handoff.generation))
         handoff.seconds = {}

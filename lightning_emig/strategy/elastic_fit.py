@@ -229,7 +229,7 @@ class ElasticFitLauncher(_Launcher):
         if held is None or outcome is held or held.prior is None:
             return
         held.generation = outcome.generation
-        self._strategy.record_prior_event(trainer, held, 0.0)
+        self._strategy.record_prior_event(trainer, held)
 
     def _go_on(self, trainer: pl.Trainer, outcome: LiveHandoff | Rollback, dropped: list[str]) -> str | None:
         """After a change or a failure: the next fit takes ``outcome`` live, or restores a checkpoint."""
@@ -267,7 +267,7 @@ class ElasticFitLauncher(_Launcher):
         if handoff.prior is not None and below_min(handoff.generation):
             # The change that left too few nodes is an event of its own, recorded before the wait: the survivors may
             # die waiting, and the next event (a join, or a restart from a checkpoint) must start from its world.
-            strategy.record_prior_event(trainer, handoff, 0.0)
+            strategy.record_prior_event(trainer, handoff)
         waiting_since = time.perf_counter()
         newer = wait_for_enough_nodes(handoff.generation, settings.below_min_timeout_s,
                                       heartbeat_timeout_s=settings.heartbeat_timeout_s, group_timeout=strategy.timeout)
