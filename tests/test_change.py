@@ -67,17 +67,16 @@ def test_the_next_fit_keeps_the_order_its_state_was_handed_over_in() -> None:
     join (another world) keeps the fit's own."""
     from types import SimpleNamespace
 
+    from lightning_emig.change.enter import keeping_handed_order
     from lightning_emig.data.batching import BatchPlan
     from lightning_emig.membership.settings import LayoutChoice
-    from lightning_emig.strategy.elastic import ElasticMigrationStrategy
 
     ordered = HybridLayout(pp=2, dp_shard=2, rank_order="dp_replicate>dp_shard>pp>tp").resolve(4)
     choice = LayoutChoice(ordered.degrees, BatchPlan(global_batch_size=8, micro_batch_size=1, dp_degree=2))
 
     def kept(world: int, handed: HybridLayout | None) -> HybridLayout:
-        strategy = SimpleNamespace(world_size=world, _incoming_handoff=None if handed is None else SimpleNamespace(
-            old_layout=handed, old_world=handed.world_size))
-        return ElasticMigrationStrategy._keeping_handed_order(strategy, choice).layout  # type: ignore[arg-type]
+        handoff = None if handed is None else SimpleNamespace(old_layout=handed, old_world=handed.world_size)
+        return keeping_handed_order(choice, handoff, world).layout  # type: ignore[arg-type]
 
     assert kept(4, ordered) == ordered
     assert kept(4, None) == ordered.degrees

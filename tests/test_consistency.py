@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_emig.change.consistency import PROOF_KEY
 from lightning_emig.consistency import InconsistentStateError, StateProof, check_same_state, prove_state
 from lightning_emig.layout import HybridLayout, build_mesh
 from lightning_emig.migration.digest import replica_slots
 from lightning_emig.migration.state import ShardingSpec, StateTensor, training_state
 from lightning_emig.models.llama import get_model_config
-from lightning_emig.strategy.consistency import PROOF_KEY
 from lightning_emig.testing.distributed import run_distributed
 from lightning_emig.testing.llama import laid_out_llama
 
@@ -135,7 +135,7 @@ def _corrupting(reconfigure_live: Any) -> Any:
 def _fit_guarded(rank: int, world: int, root: str) -> dict[str, str]:
     import torch.distributed as dist
 
-    from lightning_emig.strategy import elastic
+    from lightning_emig.change import requests
     from lightning_emig.testing.runs import fit, tiny_config, with_schedule
 
     outcome: dict[str, str] = {}
@@ -155,7 +155,7 @@ def _fit_guarded(rank: int, world: int, root: str) -> dict[str, str]:
     dist.barrier()
     outcome["tampered"] = _error_of(lambda: fit(tiny_config(layout={"tp": 2}, max_steps=4, world_size=world),
                                                 base / "tampered", ckpt_path=str(checkpoint)))
-    elastic.reconfigure_live = _corrupting(elastic.reconfigure_live)
+    requests.reconfigure_live = _corrupting(requests.reconfigure_live)
     outcome["corrupted_change"] = _error_of(lambda: fit(with_schedule(
         tiny_config(layout={"dp_shard": 2}, max_steps=4, world_size=world), [(2, {"dp_shard": 1, "tp": 2})]),
         base / "corrupted"))

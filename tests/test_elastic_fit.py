@@ -10,9 +10,10 @@ import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_emig import HybridLayout
+from lightning_emig.change.boundary import treat_step_as_saved
 from lightning_emig.launcher.generation import ENV_CONTROL_STORE, ENV_NODE_ID
 from lightning_emig.strategy import ElasticMigrationStrategy
-from lightning_emig.strategy.elastic_fit import ElasticFitLauncher, is_fit, treat_step_as_saved
+from lightning_emig.strategy.elastic_fit import ElasticFitLauncher, is_fit
 
 
 def test_fit_is_told_from_the_other_entry_points() -> None:
@@ -64,7 +65,7 @@ def test_the_strategy_brings_its_launcher_only_under_lightning_emig_run(
 def test_a_change_drops_only_the_children_that_hold_state() -> None:
     from torch import nn
 
-    from lightning_emig.strategy.rebuild import check_rebuilt, drop_model
+    from lightning_emig.change.rebuild import check_rebuilt, drop_model
 
     module = nn.Module()
     module.model, module.criterion = nn.Linear(2, 2), nn.CrossEntropyLoss()

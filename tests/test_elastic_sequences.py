@@ -43,7 +43,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_emig.strategy.events import read_events
+from lightning_emig.change.events import read_events
 from lightning_emig.strategy.resume import is_complete
 from lightning_emig.testing.commands import descendants, is_alive
 from lightning_emig.testing.distributed import free_port

@@ -71,7 +71,7 @@ def test_the_config_loads_without_torch() -> None:
 
 
 def test_wandb_logs_offline_under_onestable_run_id(tmp_path: Path) -> None:
-    from lightning_emig.strategy.events import stable_run_id
+    from lightning_emig.change.events import stable_run_id
 
     run_dir = tmp_path / "run"
     cmd = python_module_command("lightning_emig.train", "logger=wandb", *QUICK, "trainer.global_batch_size=4",

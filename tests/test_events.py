@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from lightning.pytorch.loggers import CSVLogger, Logger
 
-from lightning_emig.strategy.events import ReconfigureEvent, publish_event, read_events, stable_run_id
+from lightning_emig.change.events import ReconfigureEvent, publish_event, read_events, stable_run_id
 from lightning_emig.testing.distributed import run_distributed
 from lightning_emig.testing.runs import quiet_lightning, tiny_config, with_schedule
 from lightning_emig.training.builders import build_run
@@ -62,7 +62,7 @@ def _publish_one_event_per_trainer(rank: int, world: int, root: str, events: lis
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("lightning_emig.strategy.events").addHandler(handler)
+    logging.getLogger("lightning_emig.change.events").addHandler(handler)
     cfg = tiny_config(layout={"dp_shard": 1}, max_steps=20)
     cfg.logger.kind = "wandb"
     run_ids = []
@@ -128,7 +128,7 @@ def test_a_failing_logger_is_skipped_and_the_event_still_recorded(
 ) -> None:
     csv_logger = CSVLogger(save_dir=str(tmp_path), name="csv", version="")
     trainer: Any = SimpleNamespace(default_root_dir=str(tmp_path), loggers=[_BrokenLogger(), csv_logger])
-    with caplog.at_level(logging.WARNING, logger="lightning_emig.strategy.events"):
+    with caplog.at_level(logging.WARNING, logger="lightning_emig.change.events"):
         record = publish_event(trainer, _event("reconfigure", 3))
     assert "could not log the reconfigure event to _BrokenLogger" in caplog.text
     assert read_events(tmp_path) == [record]
@@ -136,7 +136,7 @@ def test_a_failing_logger_is_skipped_and_the_event_still_recorded(
 
 
 def _bar_during_reconfigure(rank: int, world: int, root: str) -> dict[str, Any]:
-    from lightning_emig.strategy.progress import StepProgressBar
+    from lightning_emig.change.progress import StepProgressBar
 
     quiet_lightning()
     cfg = with_schedule(tiny_config(layout={"dp_shard": 2}, max_steps=4, world_size=world),

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from lightning_emig.change.events import read_events
 from lightning_emig.launcher.generation import GenerationInfo, NodeEntry, dead_key, heartbeat_key, worker_env
 from lightning_emig.launcher.heartbeat import HeartbeatWatch
 from lightning_emig.membership.failure import (
@@ -37,7 +38,6 @@ from lightning_emig.membership.failure import (
     report_key,
 )
 from lightning_emig.membership.settings import FailureSettings
-from lightning_emig.strategy.events import read_events
 from lightning_emig.testing.commands import descendants, is_alive, kill_tree
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.nodes import (
@@ -269,7 +269,7 @@ def test_below_the_minimum_the_survivor_waits_with_its_state_for_a_joiner(tmp_pa
 
 def test_workers_under_torchrun_terminate_on_sigterm(monkeypatch: pytest.MonkeyPatch) -> None:
     """Lightning's SIGTERM handler runs a collective and ignores the signal; under torchrun the default comes back."""
-    from lightning_emig.strategy.elastic import _terminate_on_sigterm_under_torchrun
+    from lightning_emig.strategy.hooks import terminate_on_sigterm_under_torchrun
 
     def ignore(signum: int, frame: object) -> None:  # what Lightning's handler amounts to
         pass
@@ -277,10 +277,10 @@ def test_workers_under_torchrun_terminate_on_sigterm(monkeypatch: pytest.MonkeyP
     previous = signal.signal(signal.SIGTERM, ignore)
     try:
         monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-        _terminate_on_sigterm_under_torchrun()
+        terminate_on_sigterm_under_torchrun()
         assert signal.getsignal(signal.SIGTERM) is ignore  # not launched by torchrun: Lightning's choice stands
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
-        _terminate_on_sigterm_under_torchrun()
+        terminate_on_sigterm_under_torchrun()
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, previous)

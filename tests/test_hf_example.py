@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from lightning_emig import HybridLayout, LayoutError
+from lightning_emig.change.events import read_events
 from lightning_emig.data.sampler import GlobalOffsetSampler
 from lightning_emig.parallelize import materialize_and_init
-from lightning_emig.strategy.events import read_events
 from lightning_emig.testing.commands import descendants, is_alive, python_module_command, run_command
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.ledger import check_ledger

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
+from lightning_emig.change.events import read_events
 from lightning_emig.launcher.generation import GenerationInfo, NodeEntry
 from lightning_emig.layout import HybridLayout
 from lightning_emig.membership import generation_env, layout_for_new_world
-from lightning_emig.strategy.events import read_events
 from lightning_emig.testing.commands import (
     descendants,
     is_alive,

@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 
-from lightning_emig.strategy.boundary import at_step_boundary
+from lightning_emig.change.boundary import at_step_boundary
 from lightning_emig.testing.distributed import run_distributed
 from lightning_emig.testing.runs import build_run, quiet_lightning, tiny_config, with_schedule
 from lightning_emig.testing.state import full_training_state

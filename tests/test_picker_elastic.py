@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from lightning_emig.change.events import read_events
 from lightning_emig.layout import HybridLayout
 from lightning_emig.membership.settings import layout_for_new_world
 from lightning_emig.models.llama import MODEL_SIZES
 from lightning_emig.picker.policy import LayoutPicker
-from lightning_emig.strategy.events import read_events
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.ledger import check_ledger
 from lightning_emig.testing.nodes import (

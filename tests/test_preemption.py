@@ -12,7 +12,7 @@ import pytest
 
 
 def test_batch_counters_are_re_expressed_for_the_new_accumulation() -> None:
-    from lightning_emig.strategy.boundary import rescale_batch_progress
+    from lightning_emig.change.boundary import rescale_batch_progress
 
     # Captured in on_train_batch_end of step 21 under accumulation 2 (completed lags by the batch being ended).
     counters = {"ready": 42, "started": 42, "processed": 42, "completed": 41}

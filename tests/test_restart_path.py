@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_emig.strategy.events import read_events
+from lightning_emig.change.events import read_events
 from lightning_emig.strategy.resume import (
     FoundCheckpoint,
     newest_checkpoint,

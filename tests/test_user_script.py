@@ -31,8 +31,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_emig.change.events import read_events
 from lightning_emig.examples.gpt import GPT, CountingSequences, GPTConfig
-from lightning_emig.strategy.events import read_events
 from lightning_emig.strategy.resume import is_complete
 from lightning_emig.testing.commands import (
     descendants,

@@ -4,7 +4,7 @@ what the preparation costs the steps it overlaps; both measured in one run, alte
 For every model, ``--rounds`` times each way: ``--world`` processes train under ``--old``, switch to ``--new`` after
 optimizer step ``--change-at`` (an ``elastic.schedule`` entry) and stop ``--steps-after`` steps later; ``built``
 builds the mesh and the model in the pause (``elastic.prepare_ahead_steps=0``), ``prepared`` starts building them
-(and the plan) in the background ``--ahead`` steps before (:mod:`lightning_emig.strategy.prepare`).
+(and the plan) in the background ``--ahead`` steps before (:mod:`lightning_emig.change.prepare`).
 
 Per run, from the event and rank 0's ``step_times.jsonl`` (a step's line is written before the schedule's change, so
 the pause lies in the span of the first step on the new layout):

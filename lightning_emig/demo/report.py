@@ -1,6 +1,6 @@
 """What the elastic demo shows: table rows, the loss plot and ``demo.json``, from the run's records (pure).
 
-Inputs are the records the run leaves behind (see :mod:`lightning_emig.strategy.events` and
+Inputs are the records the run leaves behind (see :mod:`lightning_emig.change.events` and
 :mod:`lightning_emig.training.step_times`): event dicts as in ``events.jsonl``, per-step losses from
 ``summary.json`` and ``(step, world)`` pairs from ``step_times.jsonl``; the restart path's join is a record of
 :func:`lightning_emig.testing.join_downtime.join_record`. Nothing here starts a process or reads a run directory

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_emig.change.events import read_events
 from lightning_emig.demo.report import recovery
-from lightning_emig.strategy.events import read_events
 from lightning_emig.testing.commands import kill_tree
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.join_downtime import last_step

@@ -2,7 +2,7 @@
 
 A live change ends the fit at an optimizer-step boundary and the next fit of the same ``trainer.fit`` call starts with
 ``ckpt_path=LIVE_CHECKPOINT``: the state moves inside ``strategy.load_checkpoint`` (see
-:mod:`lightning_emig.strategy.live_join`). When the state already moved before that fit (a drain of leavers, a
+:mod:`lightning_emig.change.live_join`). When the state already moved before that fit (a drain of leavers, a
 rebuild after a failure) the handoff holds it laid out for the new world, and ``prior`` records that change.
 """
 

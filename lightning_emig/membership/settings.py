@@ -115,7 +115,10 @@ class ElasticWorker(Protocol):
     current generation, its last consistent state, and the settings of every change."""
 
     generation: int
+    """The launcher generation this fit runs in (0 outside ``lightning-emig-run``)."""
     last_boundary: LiveHandoff | None
+    """This process's live state and resume metadata at the last optimizer-step boundary (or right after a live
+    join): what survives an abrupt failure of a peer (see :mod:`lightning_emig.membership.failure`)."""
     failure_settings: FailureSettings
 
     @property

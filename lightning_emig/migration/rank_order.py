@@ -16,7 +16,7 @@ Invariants:
 * pure and deterministic: every process evaluates the same candidates on the same inputs and gets the same order;
 * the order only relabels processes: which state exists and what each coordinate holds stay the same.
 
-The same function serves a live change (:mod:`lightning_emig.strategy.reconfigure`, from the real state's specs) and
+The same function serves a live change (:mod:`lightning_emig.change.reconfigure`, from the real state's specs) and
 the picker's migration estimate (from shapes).
 """
 

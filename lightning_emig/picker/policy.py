@@ -47,6 +47,19 @@ class LayoutPicker:
         return pick_layout(world, self.model, global_batch_size=global_batch_size, seq_len=self.seq_len,
                            constraints=constraints, profile=self.profile, current=current)
 
+    def check_runs_as(self, *, pipeline_schedule: str, defer_grad_sync: str) -> None:
+        """Refuse a strategy that would run otherwise than this picker plans for (its estimates would be wrong)."""
+        if self.constraints.pipeline_schedule != pipeline_schedule:
+            raise ValueError(f"the layout picker plans for the {self.constraints.pipeline_schedule!r} schedule but "
+                             f"the strategy runs {pipeline_schedule!r}: give both the same pipeline_schedule")
+        if self.constraints.defer_grad_sync != defer_grad_sync:
+            raise ValueError(f"the layout picker plans for defer_grad_sync={self.constraints.defer_grad_sync!r} but "
+                             f"the strategy runs {defer_grad_sync!r}: give both the same defer_grad_sync")
+
+    def may_stage(self) -> bool:
+        """A layout it picks may have pipeline stages."""
+        return self.constraints.allow_pp
+
     @classmethod
     def from_section(cls, section: Mapping[str, Any], *, model: LlamaConfig, seq_len: int,
                      mixed_precision: str = "fp32", activation_checkpointing: bool = False,

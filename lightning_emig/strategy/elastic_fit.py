@@ -44,6 +44,8 @@ from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from typing_extensions import override
 
+from lightning_emig.change.boundary import treat_step_as_saved
+from lightning_emig.change.rebuild import drop_model
 from lightning_emig.collector import release_frozen
 from lightning_emig.consistency import InconsistentStateError
 from lightning_emig.launcher.generation import (
@@ -63,7 +65,6 @@ from lightning_emig.membership.failure import (
 )
 from lightning_emig.membership.group import enter_generation, joining_live, under_launcher
 from lightning_emig.membership.handoff import LIVE_CHECKPOINT, LiveHandoff
-from lightning_emig.strategy.rebuild import drop_model
 from lightning_emig.strategy.resume import newest_checkpoint
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ if TYPE_CHECKING:
 
     import lightning.pytorch as pl
 
-    from lightning_emig.strategy.host import FitHost
+    from lightning_emig.change.host import FitHost
 
 log = logging.getLogger(__name__)
 
@@ -302,18 +303,6 @@ def _end_interrupted_fit(trainer: pl.Trainer, exc: BaseException) -> None:
     _interrupt(trainer, exc)
     trainer._teardown()  # noqa: SLF001 - pinned by a test, as Lightning's own handler calls it
     trainer.state.stage = None
-
-
-def treat_step_as_saved(trainer: pl.Trainer, step: int) -> None:
-    """Every rank's ``ModelCheckpoint`` skips ``step``: a live fit resumes "at the end of" that step, and a callback
-    that has not saved it (a joiner's is new, a survivor's skipped it during the handoff) would save it again before
-    the first new step — on some ranks only, and a save is collective. The live state was never written; the next
-    periodic checkpoint comes at its usual step."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint):
-            callback._last_global_step_saved = step  # noqa: SLF001 - pinned by a test
 
 
 def _take_model_summaries(trainer: pl.Trainer) -> list[tuple[int, Callback]]:

@@ -238,6 +238,24 @@ class PipelineDriver:
         return mean
 
 
+def global_batch_loss(layout_mesh: LayoutMesh, local_mean: torch.Tensor | None, device: torch.device
+                      ) -> torch.Tensor:
+    """The global batch's mean loss, the same on every rank, from this rank's mean over its micro-batches (``None``
+    where it computed none: a stage before the last). Averaged over the data-parallel ranks (tensor-parallel peers
+    hold equal losses); under ``pp > 1`` sent from the last stage."""
+    pp = layout_mesh.layout.pp
+    last_stage = pp == 1 or layout_mesh[MeshAxis.PP].get_local_rank() == pp - 1
+    if last_stage and local_mean is None:
+        raise ValueError("step_loss needs this rank's mean loss: it computed the step's losses")
+    mean = local_mean.detach().float().clone() if last_stage else torch.zeros((), device=device)
+    if last_stage:
+        dist.all_reduce(mean, group=layout_mesh.dp.get_group())
+        mean /= layout_mesh.layout.dp
+    if pp > 1:
+        dist.broadcast(mean, group=layout_mesh[MeshAxis.PP].get_group(), group_src=pp - 1)
+    return mean
+
+
 def param_groups_of_every_stage(optimizer_state: dict[str, Any], group: dist.ProcessGroup) -> dict[str, Any]:
     """``optimizer_state`` (``get_optimizer_state_dict``'s, keyed by name) with each parameter group listing the
     parameters of every stage. A checkpoint keeps one copy of the ``param_groups`` object, whichever process wrote

@@ -36,6 +36,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from typing_extensions import override
 
+from lightning_emig.change.boundary import at_step_boundary
+from lightning_emig.change.progress import show_migration
 from lightning_emig.launcher.generation import (
     ENV_NODE_ID,
     control_client_from_env,
@@ -55,8 +57,6 @@ from lightning_emig.membership.handoff import LiveHandoff
 from lightning_emig.membership.preempt import NobodyToHandOffToError, drain_leavers, leaving_nodes
 from lightning_emig.migration.state import training_state
 from lightning_emig.migration.transfer import local_bytes
-from lightning_emig.strategy.boundary import at_step_boundary
-from lightning_emig.strategy.progress import show_migration
 from lightning_emig.strategy.resume import is_complete
 
 if TYPE_CHECKING:

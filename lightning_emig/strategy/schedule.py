@@ -79,3 +79,12 @@ class LayoutSchedule(Callback):
                 log.warning("layout schedule: the change after step %d is skipped, it does not fit the %d "
                             "process(es) the job now has (%s)", step, world, exc)
             return None
+
+
+def stages_later(trainer: pl.Trainer, requested: HybridLayout, picker: Any) -> bool:
+    """A layout this job is told of may have pipeline stages: the ``requested`` one, a ``LayoutSchedule``'s or the
+    ``picker``'s (a :class:`~lightning_emig.picker.policy.LayoutPicker`, or None)."""
+    scheduled = [layout for callback in trainer.callbacks if isinstance(callback, LayoutSchedule)
+                 for layout in callback.schedule.values()]
+    picked = picker is not None and picker.may_stage()
+    return picked or any(layout.pp != 1 for layout in (requested, *scheduled))

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_emig.strategy.events import read_events
+from lightning_emig.change.events import read_events
 from lightning_emig.strategy.resume import is_complete
 from lightning_emig.testing.chaos import HOST, ChaosRun, Played
 from lightning_emig.testing.ledger import LedgerReport, check_ledger

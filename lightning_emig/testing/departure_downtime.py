@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from lightning_emig.strategy.events import read_events
+from lightning_emig.change.events import read_events
 from lightning_emig.strategy.resume import newest_checkpoint
 from lightning_emig.testing.commands import descendants, is_alive, kill_tree
 from lightning_emig.testing.distributed import free_port

@@ -92,7 +92,7 @@ def _wait_for_generation(what: str, newer_than: int, timeout_s: float, *, joiner
 
 def hold_live_migrations(until_generation: int, timeout_s: float = HOLD_TIMEOUT_S) -> None:
     """Make every live join of this process wait for generation ``until_generation`` (see the module docstring)."""
-    from lightning_emig.strategy import live_join
+    from lightning_emig.change import live_join
 
     execute_change = live_join.execute_change
 
@@ -107,15 +107,15 @@ def hold_live_migrations(until_generation: int, timeout_s: float = HOLD_TIMEOUT_
 
 def hold_admission(until_generation: int, timeout_s: float = HOLD_TIMEOUT_S) -> None:
     """A joiner's start-up ends only once generation ``until_generation`` is published (see the module docstring)."""
-    from lightning_emig.strategy import elastic
+    from lightning_emig.change import enter
 
-    await_admission = elastic.await_admission
+    await_admission = enter.await_admission
 
     def held_await_admission(*args: Any, **kwargs: Any) -> int:
         _wait_for_generation("joiner start-up", until_generation - 1, timeout_s)
         return await_admission(*args, **kwargs)
 
-    elastic.await_admission = held_await_admission
+    enter.await_admission = held_await_admission
 
 
 def _wait_for_file(path: Path, timeout_s: float, what: str) -> None:
@@ -210,9 +210,9 @@ ENV_DIE_AFTER_JOIN = "LIGHTNING_EMIG_TEST_DIE_AFTER_JOIN"
 
 def die_in_join(marker: str, *, after: bool) -> None:
     """A joiner's first worker dies as its live join begins, or right after it (see the module docstring)."""
-    from lightning_emig.strategy import elastic
+    from lightning_emig.change import incoming
 
-    join_live = elastic.join_live
+    join_live = incoming.join_live
 
     def die(strategy: Any) -> None:
         Path(marker).touch()
@@ -230,7 +230,7 @@ def die_in_join(marker: str, *, after: bool) -> None:
             die(strategy)
         return joined
 
-    elastic.join_live = dying_join_live
+    incoming.join_live = dying_join_live
 
 
 ENV_CORRUPT_REPLICA_AT_STEP = "LIGHTNING_EMIG_TEST_CORRUPT_REPLICA_AT_STEP"
@@ -241,8 +241,8 @@ def corrupt_a_replica(step: int) -> None:
     replica that silently went wrong (see the module docstring)."""
     from torch.distributed.tensor import DTensor
 
-    from lightning_emig.strategy.boundary import at_step_boundary
-    from lightning_emig.strategy.consistency import ConsistencyGuard
+    from lightning_emig.change.boundary import at_step_boundary
+    from lightning_emig.change.consistency import ConsistencyGuard
 
     on_batch_end = ConsistencyGuard.on_train_batch_end
     done: list[bool] = []
@@ -267,7 +267,7 @@ ENV_RUN_MODULE = "LIGHTNING_EMIG_TEST_RUN_MODULE"
 
 def hold_at_steps(steps: set[int], release_dir: str, timeout_s: float = HOLD_TIMEOUT_S) -> None:
     """Rank 0 waits at each of ``steps`` until ``release_dir/release-<step>`` exists (see the module docstring)."""
-    from lightning_emig.strategy.boundary import at_step_boundary
+    from lightning_emig.change.boundary import at_step_boundary
     from lightning_emig.strategy.rendezvous import RendezvousCallback
 
     on_batch_end = RendezvousCallback.on_train_batch_end

@@ -14,6 +14,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import Logger
 
+from lightning_emig.change.events import stable_run_id
+from lightning_emig.change.progress import StepProgressBar
 from lightning_emig.config import TrainConfig
 from lightning_emig.data.corpus import ensure_stdlib_corpus
 from lightning_emig.data.datasets import ByteCorpusDataset, SyntheticDataset
@@ -26,8 +28,6 @@ from lightning_emig.models.llama import get_model_config
 from lightning_emig.picker.calibrate import PROFILE_FILE
 from lightning_emig.picker.policy import LayoutPicker
 from lightning_emig.strategy import ElasticMigrationStrategy
-from lightning_emig.strategy.events import stable_run_id
-from lightning_emig.strategy.progress import StepProgressBar
 from lightning_emig.strategy.rendezvous import HandoffAwareCheckpoint
 from lightning_emig.strategy.resume import resolve_checkpoint
 from lightning_emig.strategy.schedule import LayoutSchedule

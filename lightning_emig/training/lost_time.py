@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_emig.strategy.events import read_events
-from lightning_emig.strategy.jsonl import read_complete_lines
+from lightning_emig.change.events import read_events
+from lightning_emig.jsonl import read_complete_lines
 
 STEP_TIMES_FILE = "step_times.jsonl"
 #: Steps after the first step beyond the change whose fastest is "one steady step on the new world": the fastest,

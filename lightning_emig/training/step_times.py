@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_emig.strategy.boundary import at_step_boundary
-from lightning_emig.strategy.events import ReconfigureEvent, read_events
+from lightning_emig.change.boundary import at_step_boundary
+from lightning_emig.change.events import ReconfigureEvent, read_events
 from lightning_emig.strategy.resume import process_start_wall
 from lightning_emig.training.lost_time import STEP_TIMES_FILE, lost_time, recovery_span
 
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 def read_step_times(run_dir: Path) -> list[dict[str, Any]]:
     """Every complete line of ``step_times.jsonl`` (a process killed mid-write leaves a partial last line)."""
-    from lightning_emig.strategy.jsonl import read_complete_lines
+    from lightning_emig.jsonl import read_complete_lines
 
     return read_complete_lines(run_dir / STEP_TIMES_FILE)
 
@@ -68,7 +68,7 @@ class StepTimeRecorder(Callback):
             if reason is not None and getattr(strategy, "resumed_from", "n/a") is None and self._previous is not None:
                 # Restarted, but no complete checkpoint to resume from (e.g. the newest was still being written
                 # when the workers were stopped): the job starts over, and that is a restart event too.
-                from lightning_emig.strategy.elastic import ResumedCheckpoint
+                from lightning_emig.strategy.checkpoint_file import ResumedCheckpoint
 
                 log.warning("RESTART (%s) from step 0: no complete checkpoint; %d step(s) will be recomputed",
                             reason, self._previous["step"])

@@ -23,7 +23,7 @@ thread's CPU per process, taken from the overlapped step on two busy cores (abou
 Not for a change to or from pipeline stages: there each process knows its own stage's specs only, and the rank order
 and the plan need every process's (a collective on the default group, which the training thread uses).
 
-At the boundary :func:`~lightning_emig.strategy.reconfigure.reconfigure_live` waits for the thread (reported as the
+At the boundary :func:`~lightning_emig.change.reconfigure.reconfigure_live` waits for the thread (reported as the
 ``prepare wait`` phase), every process says how its preparation went (one small all-gather), and the mesh and the
 built children are swapped in; the optimizer, the transfer and the restore follow as without a preparation. Where a
 preparation failed after its meshes were built on every process, every process builds at the boundary instead.
@@ -49,22 +49,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from lightning_emig.layout import HybridLayout, LayoutMesh, build_mesh
-from lightning_emig.migration.engine import plan_ahead
-from lightning_emig.migration.identity import IdentityMap
-from lightning_emig.migration.state import ShardingSpec, planned_optimizer_specs, training_state
-from lightning_emig.parallelize.init import materialization_deferred
-from lightning_emig.strategy.rebuild import (
+from lightning_emig.change.rebuild import (
     check_built_again,
     check_rebuilt,
     drop_model,
     rank_order_keeping_state,
 )
+from lightning_emig.layout import HybridLayout, LayoutMesh, build_mesh
+from lightning_emig.migration.engine import plan_ahead
+from lightning_emig.migration.identity import IdentityMap
+from lightning_emig.migration.state import ShardingSpec, planned_optimizer_specs, training_state
+from lightning_emig.parallelize.init import materialization_deferred
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from lightning_emig.strategy.host import PrepareHost
+    from lightning_emig.change.host import PrepareHost
 
 log = logging.getLogger(__name__)
 

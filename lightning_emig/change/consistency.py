@@ -25,10 +25,10 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_emig.change.boundary import at_step_boundary
 from lightning_emig.consistency import InconsistentStateError, StateProof, check_same_state, prove_state
 from lightning_emig.membership.handoff import LIVE_CHECKPOINT
 from lightning_emig.migration.state import training_state
-from lightning_emig.strategy.boundary import at_step_boundary
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,9 @@
 """What the modules that carry out a change read and call of the strategy, as typed views of it.
 
 ``ElasticMigrationStrategy`` is the one implementation of each view; the change modules (``rebuild``, ``prepare``,
-``reconfigure``, ``live_join``, ``elastic_fit``) are typed on these and never import the strategy, so the strategy's
-module depends on them and not the other way round (no import circle; a test keeps it so). Each view is the
+``reconfigure``, ``requests``, ``live_join``, and the strategy's ``elastic_fit``) are typed on these and never import
+the strategy, so the strategy depends on this package and not the other way round (no import circle, and nothing
+here imports :mod:`lightning_emig.strategy`; a test keeps both so). Each view is the
 membership layer's :class:`~lightning_emig.membership.settings.ElasticWorker` (the generation, the settings) plus
 exactly what its module uses besides: a new need shows up here first.
 """
@@ -17,6 +18,7 @@ from lightning_emig.membership.settings import ElasticWorker
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from lightning_emig.change.events import ReconfigureEvent
     from lightning_emig.data.batching import BatchPlan
     from lightning_emig.layout import LayoutMesh
     from lightning_emig.membership.failure import Rollback
@@ -24,9 +26,11 @@ if TYPE_CHECKING:
 
 
 class RebuildHost(Protocol):
-    """What :mod:`~lightning_emig.strategy.rebuild` reads: the children the module keeps, whether it migrates."""
+    """What :mod:`~lightning_emig.change.rebuild` reads: the children the module keeps, whether it migrates."""
 
     kept_children: frozenset[str]
+    """The LightningModule's children with state that existed before ``configure_model`` ran (built in
+    ``__init__`` or ``setup``): a change keeps them as they are instead of building them again."""
 
     @property
     def migrating(self) -> bool: ...
@@ -41,16 +45,16 @@ class _ModuleHost(ElasticWorker, Protocol):
 
 
 class PrepareHost(RebuildHost, _ModuleHost, Protocol):
-    """What :mod:`~lightning_emig.strategy.prepare` uses to build the next layout in the background."""
+    """What :mod:`~lightning_emig.change.prepare` uses to build the next layout in the background."""
 
     shadow_view: Any
-    """The strategy's :class:`~lightning_emig.strategy.prepare.ShadowView` (what a preparing thread sees)."""
+    """The strategy's :class:`~lightning_emig.change.prepare.ShadowView` (what a preparing thread sees)."""
 
     def install_mesh(self, layout_mesh: LayoutMesh, plan: BatchPlan) -> None: ...
 
 
 class ReconfigureHost(_ModuleHost, Protocol):
-    """What :mod:`~lightning_emig.strategy.reconfigure` uses to change the layout at a step boundary."""
+    """What :mod:`~lightning_emig.change.reconfigure` uses to change the layout at a step boundary."""
 
     optimizers: list[Any]
     lr_scheduler_configs: list[Any]
@@ -62,15 +66,26 @@ class ReconfigureHost(_ModuleHost, Protocol):
     def restart_data(self, trainer: pl.Trainer) -> None: ...
 
     def take_preparation(self) -> Any:
-        """The :class:`~lightning_emig.strategy.prepare.LayoutPreparation` in flight, handed over (None: none)."""
+        """The :class:`~lightning_emig.change.prepare.LayoutPreparation` in flight, handed over (None: none)."""
+
+
+class RequestHost(PrepareHost, ReconfigureHost, Protocol):
+    """What :mod:`~lightning_emig.change.requests` uses to carry out a layout change asked for during a fit."""
+
+    pending_handoff: LiveHandoff | None
+    optimizers: list[Any]
+
+    def record_event(self, trainer: pl.Trainer, event: ReconfigureEvent) -> None: ...
 
 
 class JoinHost(_ModuleHost, Protocol):
-    """What :mod:`~lightning_emig.strategy.live_join` uses to move the holders' state into a new generation."""
+    """What :mod:`~lightning_emig.change.live_join` uses to move the holders' state into a new generation."""
 
     seed: int
     optimizers: list[Any]
     live_transfer_started: bool
+    """Set by the live join as the first byte of this fit's incoming state is about to move."""
+    migrating: bool
 
     @property
     def local_rank(self) -> int: ...
@@ -84,8 +99,12 @@ class FitHost(ElasticWorker, Protocol):
 
     kept_children: frozenset[str]
     pending_handoff: LiveHandoff | None
+    """Set by ``RendezvousCallback`` when this fit stops to hand its state to a newer generation."""
     start_reason: str | None
+    """Why this process's first fit is a restart of a running job (None: a first start, a live join); the later
+    fits of one ``trainer.fit`` call are live changes, never restarts, whatever torchrun's environment says."""
     left_job: bool
+    """This process's node was preempted and handed its state over: it is no longer part of the job."""
 
     @property
     def has_layout(self) -> bool: ...

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from lightning_emig.change.boundary import rescale_batch_progress
+from lightning_emig.change.rng import restore_rng_for_rank
 from lightning_emig.layout import HybridLayout
 from lightning_emig.membership.handoff import LiveHandoff
 from lightning_emig.migration.change import ChangeRecord, execute_change, whole_state_specs
@@ -42,13 +44,11 @@ from lightning_emig.migration.state import (
     allocate_optimizer_state,
     training_state,
 )
-from lightning_emig.strategy.boundary import rescale_batch_progress
-from lightning_emig.strategy.rng import restore_rng_for_rank
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_emig.strategy.host import JoinHost
+    from lightning_emig.change.host import JoinHost
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +142,7 @@ def join_live(
     for group, saved in zip(optimizer.param_groups, news.metadata["optimizer_hyper"], strict=True):
         group.update(saved)
     if handoff is None:
-        # A new process has no RNG state of its own: derive one (the rule of lightning_emig.strategy.rng).
+        # A new process has no RNG state of its own: derive one (the rule of lightning_emig.change.rng).
         restore_rng_for_rank(None, rank, seed=strategy.seed, step=int(news.metadata["global_step"]))
     record = dataclasses.replace(record, seconds={**news.seconds, **seconds, **record.seconds})
     if news.prior is not None:  # the state moved before this fit (preemption, failure): report that change
@@ -151,6 +151,18 @@ def join_live(
     if handoff is not None:  # a holder keeps its own callbacks' state; a joiner takes the source's, as from a file
         metadata["callbacks"] = handoff.metadata["callbacks"]
     return metadata, record, news.last_step_wall
+
+
+def state_after_join(strategy: JoinHost, metadata: dict[str, Any], last_step_wall: float) -> LiveHandoff:
+    """The joined state as the last step boundary's: a peer failing before this fit's first step boundary finds it
+    (:attr:`~lightning_emig.membership.settings.ElasticWorker.last_boundary`)."""
+    import copy
+
+    return LiveHandoff(
+        generation=-1, holders=(), old_layout=strategy.layout, old_world=strategy.world_size,
+        old_rank=strategy.global_rank, state=training_state(strategy.lightning_module, strategy.optimizers[0]),
+        metadata=copy.deepcopy(metadata), last_step_wall=last_step_wall,
+    )
 
 
 def _holds_the_new_layout(who: list[Any], old_world: int, old_layout: HybridLayout,

@@ -66,7 +66,7 @@ def reload_validation_loaders(trainer: pl.Trainer) -> None:
 def _measure_epoch_again(trainer: pl.Trainer, combined_loader: Any) -> None:
     """The epoch's length in micro-batches under the new accumulation, where the loaders have one (as Lightning's
     ``fit_loop.setup_data`` measures it at the start; ``limit_train_batches`` is refused when fit starts, see
-    :mod:`lightning_emig.strategy.fit_start`)."""
+    :mod:`lightning_emig.change.fit_start`)."""
     from lightning.fabric.utilities.data import sized_len
 
     lengths = [sized_len(loader) for loader in combined_loader.flattened]
@@ -86,7 +86,7 @@ class StepBoundaryHook(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         strategy: Any = trainer.strategy
-        if getattr(strategy, "_pending_layout", None) is not None and at_step_boundary(trainer):
+        if getattr(strategy, "reconfigure_pending", False) and at_step_boundary(trainer):
             strategy.apply_pending_reconfigure(trainer)
 
 
@@ -107,3 +107,15 @@ def rescale_batch_progress(metadata: dict[str, Any], old_accumulation: int, new_
         in_batch_end = counters["completed"] < counters["processed"]
         counters.update(ready=micro_batches, started=micro_batches, processed=micro_batches,
                         completed=micro_batches - 1 if in_batch_end else micro_batches)
+
+
+def treat_step_as_saved(trainer: pl.Trainer, step: int) -> None:
+    """Every rank's ``ModelCheckpoint`` skips ``step``: a live fit resumes "at the end of" that step, and a callback
+    that has not saved it (a joiner's is new, a survivor's skipped it during the handoff) would save it again before
+    the first new step — on some ranks only, and a save is collective. The live state was never written; the next
+    periodic checkpoint comes at its usual step."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            callback._last_global_step_saved = step  # noqa: SLF001 - pinned by a test

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.loggers import Logger, WandbLogger
 
+from lightning_emig.jsonl import read_complete_lines
 from lightning_emig.layout import HybridLayout
 from lightning_emig.migration.change import ChangeRecord
-from lightning_emig.strategy.jsonl import read_complete_lines
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -5,7 +5,7 @@ The steps, in order (each timed into the event):
 1. ``validate``: resolve the layout for the world, check the model accepts it and the global batch still
    divides — before anything is touched, so a bad request changes nothing;
 2. ``prepare wait`` and ``install``, where the change was prepared while the old layout trained
-   (:mod:`~lightning_emig.strategy.prepare`: the mesh, the model and the plan built in the background): wait for
+   (:mod:`~lightning_emig.change.prepare`: the mesh, the model and the plan built in the background): wait for
    that thread, agree that every process prepared it, swap the new mesh and model in; steps 3 and 4 are skipped;
 3. ``mesh``: build the new DeviceMesh on the existing process group;
 4. ``build``: drop the module's child modules and call its ``configure_model`` again under the new mesh, with
@@ -18,7 +18,7 @@ The steps, in order (each timed into the event):
 7. ``restore``: optimizer hyper-parameters and scheduler state, gradient accumulation, data topology, the
    data fetcher's iterator (its prefetched batch belonged to the old layout) and the batch counters.
 
-What a LightningModule must do to be re-laid-out: see :mod:`~lightning_emig.strategy.rebuild`.
+What a LightningModule must do to be re-laid-out: see :mod:`~lightning_emig.change.rebuild`.
 """
 
 from __future__ import annotations
@@ -27,24 +27,24 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
-from lightning_emig.layout import HybridLayout, build_mesh
-from lightning_emig.migration.change import execute_change, whole_state_specs
-from lightning_emig.migration.identity import IdentityMap
-from lightning_emig.migration.state import StateTensor, allocate_optimizer_state, training_state
-from lightning_emig.strategy.events import ReconfigureEvent
-from lightning_emig.strategy.prepare import take_prepared
-from lightning_emig.strategy.progress import show_migration
-from lightning_emig.strategy.rebuild import (
+from lightning_emig.change.events import ReconfigureEvent
+from lightning_emig.change.prepare import take_prepared
+from lightning_emig.change.progress import show_migration
+from lightning_emig.change.rebuild import (
     ModuleSetup,
     node_of_every_rank,
     rank_order_keeping_state,
     rebuild_model,
 )
+from lightning_emig.layout import HybridLayout, build_mesh
+from lightning_emig.migration.change import execute_change, whole_state_specs
+from lightning_emig.migration.identity import IdentityMap
+from lightning_emig.migration.state import StateTensor, allocate_optimizer_state, training_state
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_emig.strategy.host import ReconfigureHost
+    from lightning_emig.change.host import ReconfigureHost
 
 
 class _Timer:

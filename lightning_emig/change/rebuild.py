@@ -1,7 +1,7 @@
 """Building a LightningModule's model again for a new layout, and choosing the rank order that keeps most state.
 
-Shared by the live layout change (:mod:`~lightning_emig.strategy.reconfigure`, which builds at the step boundary)
-and its preparation in the background (:mod:`~lightning_emig.strategy.prepare`, which builds on a stand-in of the
+Shared by the live layout change (:mod:`~lightning_emig.change.reconfigure`, which builds at the step boundary)
+and its preparation in the background (:mod:`~lightning_emig.change.prepare`, which builds on a stand-in of the
 module while the old layout trains).
 
 What a LightningModule must do to be re-laid-out: build its model in ``configure_model`` from
@@ -30,8 +30,8 @@ from lightning_emig.migration.rank_order import choose_rank_order
 from lightning_emig.migration.state import ShardingSpec, training_state
 
 if TYPE_CHECKING:
+    from lightning_emig.change.host import RebuildHost
     from lightning_emig.layout import HybridLayout
-    from lightning_emig.strategy.host import RebuildHost
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def check_built_again(module: Any, dropped: list[str]) -> None:
     if not any(True for _ in module.parameters()):
         raise RuntimeError(
             "configure_model built no parameters after the strategy reset the model: it must rebuild the model "
-            "whenever its model attribute is None (see lightning_emig.strategy.rebuild)"
+            "whenever its model attribute is None (see lightning_emig.change.rebuild)"
         )
 
 
