@@ -272,8 +272,9 @@ class ElasticMigrationStrategy(HybridLayoutStrategy):
         return self._changes.events
 
     def record_event(self, trainer: pl.Trainer, event: ReconfigureEvent) -> None:
-        """Keep ``event`` in :attr:`events` and, on global rank 0, publish it (``events.jsonl``, the loggers); every
-        kind of change comes through here, a restart's from the step-time recorder."""
+        """Keep ``event`` in :attr:`events` and, on global rank 0, publish it (``events.jsonl``, the loggers): the
+        entry for changes recorded from outside (a layout change, a restart from the step-time recorder); the ones a
+        fit starts with go to the same :meth:`ChangeLog.record` from :meth:`finish_join_event`."""
         self._changes.record(trainer, event, rank=self.global_rank, choice=self.layout_choice)
 
     # -------------------------------------------------------------- checkpoint
