@@ -124,3 +124,44 @@ def test_a_scalar_parameters_moments_live_with_it_and_only_step_counts_on_the_cp
         "optim/weight/step": "cpu", "optim/weight/exp_avg": "meta", "optim/weight/exp_avg_sq": "meta",
     }
     assert new_optimizer.state[new_model.scale]["exp_avg"].device.type == "meta"
+
+
+def _kept_shards_worker(rank: int, world: int) -> dict[str, Any]:
+    """16 row-sharded tensors keep their boxes, one goes from row to column shards: a drain or a rebuild's
+    buffers (:func:`allocate_shards` with ``held``) take the 16 as they are and copy nothing of them."""
+    from torch.distributed.tensor import Shard
+
+    from lightning_emig.migration.change import HeldShards, adopted_storages, allocate_shards
+    from lightning_emig.migration.state import ShardingSpec, release_storage
+
+    layout = HybridLayout(dp_shard=world).resolve(world)
+    rows = ShardingSpec((8, 6), torch.float32, ("dp_shard",), (Shard(0),))
+    columns = ShardingSpec((8, 6), torch.float32, ("dp_shard",), (Shard(1),))
+    old_specs = {**{f"param/kept{i}": rows for i in range(16)}, "param/moved": rows}
+    new_specs = {**old_specs, "param/moved": columns}
+    old = allocate_shards(old_specs, layout, rank)
+    for i, t in enumerate(old.values()):
+        t.local.copy_(torch.arange(t.local.numel(), dtype=torch.float32).view_as(t.local) + 100 * rank + i)
+    expected = {k: t.local.clone() for k, t in old.items()}
+    new = allocate_shards(new_specs, layout, rank, held=HeldShards(old, layout, rank))
+    report = migrate(old_state=old, new_state=new, old_layout=layout, new_layout=layout,
+                     identity=IdentityMap.same_processes(world), pid=rank)
+    adopted = sorted(k for k in new if new[k].local.data_ptr() == old[k].local.data_ptr())
+    release_storage(old, keep=adopted_storages(new))  # what a drain does next: the adopted shards must survive it
+    kept_exact = all(torch.equal(new[k].local, expected[k]) for k in adopted)
+    # The moved tensor's column half: its rows from both old holders (rank r held rows 4r..4r+3).
+    moved = new["param/moved"].local
+    whole = torch.cat([torch.arange(24, dtype=torch.float32).view(4, 6) + 100 * r + 16 for r in range(world)])
+    moved_exact = torch.equal(moved, whole[:, 3 * rank:3 * rank + 3])
+    return {"adopted": adopted, "kept_exact": kept_exact, "moved_exact": moved_exact,
+            "copied": report.total_bytes_copied, "received": report.total_bytes_received}
+
+
+@pytest.mark.timeout(180)
+def test_shards_a_change_keeps_in_place_are_adopted_not_copied() -> None:
+    results = run_distributed(_kept_shards_worker, 2, timeout_s=150)
+    for result in results:
+        assert result["adopted"] == sorted(f"param/kept{i}" for i in range(16))
+        assert result["kept_exact"] and result["moved_exact"]
+        # Only the moved tensor is written: a quarter of it copied locally on each process, a quarter received.
+        assert result["copied"] == 2 * 12 * 4 and result["received"] == 2 * 12 * 4

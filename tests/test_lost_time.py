@@ -36,6 +36,17 @@ def test_a_live_join_loses_its_pause_not_its_first_step() -> None:
     assert lost.steady_steps == STEADY_STEPS
 
 
+def test_the_first_steps_excess_over_a_steady_step_is_read_from_the_event() -> None:
+    # the join's first step took 0.8 s (its phase) against steady 0.5 s steps: 0.3 s of the lost time is that step's
+    times = _steps(1, 0.0, 10, 1.0, 1) + _steps(11, 9.0 + 0.4 + 0.8, 5, 0.5, 2)
+    event = {**_event("join", 10, 1, 2, time=10.2 + 0.01, downtime=1.2), "seconds": {"transfer": 0.3, "first_step": 0.8}}
+    lost = lost_time(event, times)
+    assert lost is not None
+    assert lost.lost_seconds == pytest.approx(0.7)
+    assert lost.first_step_excess_seconds == pytest.approx(0.3)
+    assert lost_time({**event, "seconds": {}}, times).first_step_excess_seconds is None
+
+
 def test_a_step_slowed_by_a_background_checkpoint_is_not_the_steady_step() -> None:
     # world 2 at 0.5 s/step, but two of the three steps after the first beyond overlap a checkpoint write (0.9 s)
     times = _steps(1, 0.0, 10, 1.0, 1) + [{"step": 11 + i, "time": t, "world": 2, "pid": 1}

@@ -28,6 +28,9 @@ steady-state cost). Each record (:func:`lightning_emig.testing.join_downtime.eve
 * ``downtime_seconds``: last step on the old world to first step finished on the new one (from the event;
   ``downtime_from_step_times`` is the same span read from ``step_times.jsonl``, a cross-check);
 * ``recovery_seconds``: lost time plus the steady step; ``phases``: the event's per-phase seconds;
+* ``first_step_excess_seconds``: the event's ``first_step`` phase minus the steady step (how much of the lost time
+  the first step on the new world added; None on the restart path, whose first step is recomputed): the gap to
+  "pause = wire time" is ``lost_seconds`` against ``phases["transfer"]`` and this, read from one record;
 * ``step_seconds_old`` / ``step_seconds_new``: median step time before and after (steady state); for a join,
   ``step_seconds_old`` ends when the joining node starts and ``step_seconds_preparing`` is the old world's median
   step while the joiner starts and warms its memory (on this host the joiner shares the cores: on separate nodes
@@ -120,7 +123,8 @@ def main() -> None:
                     records.append(record)
                     print(f"{model:10s} {event:8s} {path:8s} round {round_index}: lost {_seconds(record['lost_seconds'])} "
                           f"(downtime {record['downtime_seconds']:.2f}s, steady step "
-                          f"{_seconds(record['step_seconds_new'])}, rolled back {record['steps_rolled_back']}) "
+                          f"{_seconds(record['step_seconds_new'])}, first step's excess "
+                          f"{_seconds(record['first_step_excess_seconds'])}, rolled back {record['steps_rolled_back']}) "
                           f"phases " + ", ".join(f"{k} {v:.2f}" for k, v in record["phases"].items()), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()}, "records": records},
@@ -142,7 +146,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         med = {
             path: {key: _median([r[key] for r in same if r["path"] == path])
                    for key in ("lost_seconds", "downtime_seconds", "step_seconds_new", "step_seconds_old",
-                               "step_seconds_preparing")}
+                               "step_seconds_preparing", "first_step_excess_seconds")}
             for path in PATHS
         }
         key = model if event == "join" else f"{model}/{event}"

@@ -63,6 +63,8 @@ from lightning_emig.membership.group import enter_generation
 from lightning_emig.membership.handoff import LiveHandoff
 from lightning_emig.membership.settings import FailureSettings
 from lightning_emig.migration.change import (
+    HeldShards,
+    adopted_storages,
     allocate_shards,
     device_of,
     execute_change,
@@ -413,7 +415,10 @@ def _rebuild_from_replicas(
         old_world, len(survivors),
     )
     new_layout = in_place_order(specs, old_layout, new_layout, identity)  # the next fit keeps it (setup_environment)
-    new_state = allocate_shards(specs, new_layout, new_rank, device_of(stash.state))
+    # The survivor's own shards that the new layout keeps where they are (a replica of the dead's, under HSDP) are
+    # adopted, not copied.
+    new_state = allocate_shards(specs, new_layout, new_rank, device_of(stash.state),
+                                held=HeldShards(stash.state, old_layout, rank))
     allocate = time.perf_counter() - started
     record = execute_change(
         kind="failure", step=int(stash.metadata["global_step"]), old_state=stash.state, new_state=new_state,
@@ -422,7 +427,7 @@ def _rebuild_from_replicas(
     )
     # Rebuilt on every survivor: the stash (the dropped model's storage) is read no more. Kept until here so a
     # rebuild that fails leaves it intact for another try.
-    release_storage(stash.state, keep=strategy.live_storages())
+    release_storage(stash.state, keep=strategy.live_storages() | adopted_storages(new_state))
     stash.state = None
     return LiveHandoff(
         generation=-1, holders=holders, old_layout=new_layout, old_world=len(survivors),

@@ -40,6 +40,8 @@ from lightning_emig.launcher.generation import (
 from lightning_emig.membership.admission import commit_generation, joiners_ready, publish_holders_generation
 from lightning_emig.membership.handoff import LiveHandoff
 from lightning_emig.migration.change import (
+    HeldShards,
+    adopted_storages,
     allocate_shards,
     device_of,
     execute_change,
@@ -174,7 +176,8 @@ def drain_leavers(trainer: pl.Trainer, client: Any, handoff: LiveHandoff) -> Liv
         old_world, new_world,
     )
     new_layout = in_place_order(specs, old_layout, new_layout, identity)  # the next fit keeps it (setup_environment)
-    new_state = (allocate_shards(specs, new_layout, my_new_rank, device_of(old_state))
+    new_state = (allocate_shards(specs, new_layout, my_new_rank, device_of(old_state),
+                                 held=HeldShards(old_state, old_layout, rank))
                  if my_new_rank is not None else None)
     allocate = time.perf_counter() - started
     record = execute_change(
@@ -184,7 +187,7 @@ def drain_leavers(trainer: pl.Trainer, client: Any, handoff: LiveHandoff) -> Liv
     )
     # Handed over on every process: the old shards are read no more (saves are skipped while a handoff is pending).
     # Kept until here so a drain that fails leaves them intact for the survivors' recovery.
-    release_storage(old_state, keep=strategy.live_storages())
+    release_storage(old_state, keep=strategy.live_storages() | adopted_storages(new_state))
     handoff.seconds = {**handoff.seconds, "agree_leave": agree, "allocate": allocate}
     handoff.phase_started = time.perf_counter()
     handoff.generation = new_generation

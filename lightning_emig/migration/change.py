@@ -27,12 +27,14 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from lightning_emig.layout import HybridLayout
+from lightning_emig.migration.boxes import Holding
 from lightning_emig.migration.engine import migrate, tensor_migrations, union_specs
 from lightning_emig.migration.identity import IdentityMap
 from lightning_emig.migration.rank_order import choose_rank_order
-from lightning_emig.migration.state import ShardingSpec, StateTensor
+from lightning_emig.migration.state import ShardingSpec, StateTensor, storages_of
 from lightning_emig.migration.transfer import TransferOptions
 
 ChangeKind = Literal["reconfigure", "join", "preempt", "failure"]
@@ -108,15 +110,51 @@ def execute_change(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class HeldShards:
+    """What a process holds before a change: its state under ``layout`` at ``rank``."""
+
+    state: Mapping[str, StateTensor]
+    layout: HybridLayout
+    rank: int
+
+
 def allocate_shards(specs: Mapping[str, ShardingSpec], layout: HybridLayout, rank: int,
-                    device: torch.device | str = "cpu") -> dict[str, StateTensor]:
-    """Plain local buffers for ``rank``'s shards of every tensor ``specs`` names under ``layout`` (no mesh needed)."""
+                    device: torch.device | str = "cpu", *, held: HeldShards | None = None) -> dict[str, StateTensor]:
+    """Plain local buffers for ``rank``'s shards of every tensor ``specs`` names under ``layout`` (no mesh needed).
+
+    With ``held`` (this process's state before the change), a shard it already holds exactly as the new layout
+    wants it (a replica that stays, a box that did not move) is adopted: the old tensor *is* the new shard, the
+    migration's copy of it is skipped and no new memory is taken. The caller keeps those storages when it releases
+    the old state (:func:`adopted_storages`)."""
     out = {}
     for key, spec in specs.items():
         holding = spec.on(layout).holding_of_rank(rank)
+        kept = _kept_as_it_is(key, spec, holding, held) if held is not None else None
+        if kept is not None:
+            out[key] = StateTensor(key, spec, kept)
+            continue
         shape = holding.local_shape if holding is not None else (0,)
         out[key] = StateTensor(key, spec, torch.empty(shape, dtype=spec.dtype, device=device))
     return out
+
+
+def _kept_as_it_is(key: str, spec: ShardingSpec, holding: Holding | None, held: HeldShards) -> torch.Tensor | None:
+    """The old local tensor of ``key`` if it holds exactly ``holding`` (same box, same pieces, a plain contiguous
+    tensor of the spec's dtype); None where it must be written anew."""
+    old = held.state.get(key)
+    if holding is None or holding.is_empty or old is None:
+        return None
+    local = old.local
+    if (isinstance(local, DTensor) or not local.is_contiguous() or local.dtype != spec.dtype
+            or tuple(local.shape) != holding.local_shape):
+        return None
+    return local if spec.on(held.layout).holding_of_rank(held.rank) == holding else None
+
+
+def adopted_storages(new_state: Mapping[str, StateTensor] | None) -> frozenset[int]:
+    """The storages of ``new_state`` (a release of the old state must keep them: some may be adopted old shards)."""
+    return storages_of(t.local for t in (new_state or {}).values())
 
 
 def in_place_order(specs: Mapping[str, ShardingSpec], old_layout: HybridLayout, new_layout: HybridLayout,

@@ -146,11 +146,21 @@ def _wire_bytes(on_wire: Round) -> int:
 
 
 def _copy(transfers: Iterable[Transfer], old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> int:
+    """Run the copies; one whose source and destination are the same memory (a shard the caller adopted as its new
+    one: :func:`~lightning_emig.migration.change.allocate_shards`) is already done and counts no bytes."""
     copied = 0
     for t in transfers:
-        new[t.tensor][t.dst_slices()].copy_(old[t.tensor][t.src_slices()])
+        dst, src = new[t.tensor][t.dst_slices()], old[t.tensor][t.src_slices()]
+        if _same_memory(dst, src):
+            continue
+        dst.copy_(src)
         copied += t.nbytes
     return copied
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype and a.device == b.device)
 
 
 def _copies_by_round(plan: RankPlan, last_read: dict[int, list[str]]) -> dict[int, dict[str, list[Transfer]]]:

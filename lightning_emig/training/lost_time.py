@@ -42,6 +42,10 @@ class LostTime:
     """The fastest of the step times right after that first step beyond (``steady_steps`` of them)."""
     steady_steps: int
     last_old_step: int
+    first_step_excess_seconds: float | None = None
+    """How much slower the first step on the new world ran than a steady one (the event's ``first_step`` phase minus
+    ``steady_step_seconds``): the part of the lost time spent after the pause, in a step that found something cold.
+    None where the event has no ``first_step`` phase (the restart path's first step is a recomputed one)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -64,8 +68,10 @@ def lost_time(event: dict[str, Any], times: list[dict[str, Any]], *, steady_step
         return None
     steady = min(gaps)
     recovery = run[0]["time"] - last_old["time"]
+    first_step = (event.get("seconds") or {}).get("first_step")
     return LostTime(lost_seconds=recovery - steady, recovery_seconds=recovery, steady_step_seconds=steady,
-                    steady_steps=len(gaps), last_old_step=int(last_old["step"]))
+                    steady_steps=len(gaps), last_old_step=int(last_old["step"]),
+                    first_step_excess_seconds=first_step - steady if first_step is not None else None)
 
 
 def recovery_span(event: dict[str, Any], times: list[dict[str, Any]]
