@@ -6,6 +6,7 @@ with one element. The guard refuses a world whose ranks disagree on the step, or
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ import torch
 from lightning_emig.change.consistency import PROOF_KEY
 from lightning_emig.consistency import InconsistentStateError, StateProof, check_same_state, prove_state
 from lightning_emig.layout import HybridLayout, build_mesh
+from lightning_emig.migration import digest
+from lightning_emig.migration.boxes import LocalPiece, ShardBox
 from lightning_emig.migration.digest import replica_slots
 from lightning_emig.migration.state import ShardingSpec, StateTensor, training_state
 from lightning_emig.models.llama import get_model_config
@@ -115,6 +118,49 @@ def test_the_digest_sees_a_swap_and_the_sign_of_zero() -> None:
     assert _digest([1.0, 2.0, 3.0]) == _digest([1.0, 2.0, 3.0])
     assert _digest([1.0, 2.0, 3.0]) != _digest([2.0, 1.0, 3.0])
     assert _digest([0.0, 1.0]) != _digest([-0.0, 1.0])
+
+
+def _weighted_bits(region: torch.Tensor, box_starts: tuple[int, ...], global_shape: tuple[int, ...],
+                   salt: int) -> int:
+    """The digest's definition, element by element: bits x (2 * (global flat index + salt) + 1), modulo 2**64."""
+    if region.dtype == torch.complex128:
+        halves = torch.view_as_real(region).contiguous().view(torch.int64)
+        bits = (halves[..., 0] * 3 + halves[..., 1]).tolist()
+    else:
+        as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[region.element_size()]
+        bits = region.contiguous().view(torch.uint8 if region.dtype == torch.bool else as_int).tolist()
+    total = 0
+    for position in itertools.product(*(range(n) for n in region.shape)):
+        flat = 0
+        for p, start, length in zip(position, box_starts, global_shape, strict=True):
+            flat = flat * length + start + p
+        element = bits
+        for p in position:
+            element = element[p]
+        total += element * (2 * (flat + salt) + 1)
+    total &= (1 << 64) - 1
+    return total - (1 << 64) if total >= 1 << 63 else total
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.bool,
+                                   torch.uint8, torch.complex128])
+def test_a_pieces_sum_is_the_digests_definition(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sum per piece (reduced per dim, in chunks of rows) equals bits x weight added element by element, for
+    pieces at any offset of a local tensor that is not contiguous, across chunk boundaries."""
+    monkeypatch.setattr(digest, "_CHUNK_ELEMENTS", 7)
+    generator = torch.Generator().manual_seed(0)
+    for shape in [(5,), (4, 6), (3, 5, 4), (2, 1, 3, 2)]:
+        global_shape = tuple(2 * n + 1 for n in shape)
+        full = torch.randn(global_shape, generator=generator, dtype=torch.float64) * 1e6
+        full = full > 0 if dtype == torch.bool else full.to(dtype)
+        local = full.transpose(0, -1).contiguous().transpose(0, -1)  # same values, strides not row-major
+        starts = tuple(int(torch.randint(0, n + 2, (), generator=generator)) for n in shape)
+        box = ShardBox(tuple((start, start + n) for start, n in zip(starts, shape, strict=True)))
+        piece = LocalPiece(box, starts)
+        salt = digest._salt(f"param/{shape}")
+        region = local[tuple(slice(start, start + n) for start, n in zip(starts, shape, strict=True))]
+        assert int(digest._piece_sum(local, piece, global_shape, salt)) == _weighted_bits(region, starts,
+                                                                                            global_shape, salt)
 
 
 # ------------------------------------------------------------------------------------ through the Trainer

@@ -98,3 +98,28 @@ def test_a_run_directory_s_events_are_annotated(tmp_path: Path) -> None:
     join, reconfigure = events_with_lost_time(tmp_path)
     assert join["lost_seconds"] == pytest.approx(0.7)
     assert "lost_seconds" not in reconfigure
+
+
+def test_the_proof_after_a_change_is_its_own_phase_not_part_of_the_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Work done between the state's arrival and the first step (the proof of the state) is set apart as a phase:
+    the ``first_step`` phase, and so the first step's excess, is the step's own."""
+    from types import SimpleNamespace
+
+    from lightning_emig.change import record as record_module
+    from lightning_emig.change.record import ChangeLog
+    from lightning_emig.layout import HybridLayout
+    from lightning_emig.migration.change import ChangeRecord
+
+    clock = [100.0]
+    monkeypatch.setattr(record_module, "time", SimpleNamespace(perf_counter=lambda: clock[0], time=lambda: clock[0]))
+    changes = ChangeLog()
+    one, two = HybridLayout().resolve(1), HybridLayout().resolve(2)
+    changes.begin(ChangeRecord(kind="join", step=3, old_layout=one, new_layout=two, old_world=1, new_world=2,
+                               seconds={"transfer": 0.25}), last_step_wall=99.0)
+    clock[0] += 0.5  # the proof
+    changes.set_apart("prove", 0.5)
+    clock[0] += 2.0  # the first step
+    changes.finish(None, generation=1, world_size=2, rank=1, choice=None)  # type: ignore[arg-type]
+    (event,) = changes.events
+    assert event.seconds == {"transfer": 0.25, "prove": 0.5, "first_step": 2.0}
+    assert event.downtime_seconds == 3.5

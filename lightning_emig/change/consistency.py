@@ -5,7 +5,8 @@
 * when every fit starts, after its state arrived (a first start, a live join or handoff, a rebuild from replicas, a
   rollback, a checkpoint load): the ranks agree on step, data offset, generation and layout, replicas agree; and when
   the state came from a checkpoint or a handoff whose save hooks recorded a proof, the digest, step and data offset
-  equal that proof's (a checkpoint written by another world, or a migration into another layout, included);
+  equal that proof's (a checkpoint written by another world, or a migration into another layout, included). A fit of
+  one process with no such proof takes none: it would check nothing. Its time is the change's ``prove`` phase;
 * around a live layout change inside a fit (``strategy.reconfigure``): the state after it equals the state before;
 * every ``consistency_every_n_steps`` optimizer steps (0: only at the moments above);
 * whenever Lightning saves a checkpoint (and a live handoff is captured): the proof is saved with it, under
@@ -19,6 +20,7 @@ state proves (:mod:`lightning_emig.strategy.elastic_fit`); elsewhere the error e
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -76,8 +78,15 @@ class ConsistencyGuard(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        proof = prove(trainer, "when the fit started")
         expected, self._expected = self._expected, None
+        if expected is None and trainer.world_size == 1:
+            return  # no peer, no replica, nothing to compare with: the proof would check nothing
+        started = time.perf_counter()
+        proof = prove(trainer, "when the fit started")
+        # Before the first step, after the state arrived: a change's own phase, not its first step's excess.
+        set_apart = getattr(trainer.strategy, "set_apart_from_first_step", None)
+        if set_apart is not None:
+            set_apart("prove", time.perf_counter() - started)
         if expected is not None:
             try:
                 check_same_state(expected[0], proof, what=expected[1])

@@ -50,6 +50,16 @@ class ChangeLog:
         """The state of change ``record`` is in place now; its event waits for the first step (:meth:`finish`)."""
         self._begun = _Begun(record, last_step_wall, time.perf_counter())
 
+    def set_apart(self, phase: str, seconds: float) -> None:
+        """Work of ``seconds`` done since the state was in place, before the first step (the proof of the state that
+        arrived), is the change's ``phase``, not part of its ``first_step``: the first step's excess over a steady one
+        is then the step's own. Nothing to do without a change begun."""
+        begun = self._begun
+        if begun is None:
+            return
+        record = dataclasses.replace(begun.record, seconds={**begun.record.seconds, phase: seconds})
+        self._begun = dataclasses.replace(begun, record=record, in_place=begun.in_place + seconds)
+
     def forget(self) -> None:
         """A new fit starts: a change the last one began and never recorded is not this fit's."""
         self._begun = None

@@ -30,8 +30,9 @@ from lightning_emig.layout import HybridLayout
 from lightning_emig.migration.boxes import LocalPiece
 from lightning_emig.migration.state import StateTensor
 
-_CHUNK_ELEMENTS = 1 << 22
-"""Elements summed at once: the int64 temporaries of a chunk stay small (32 MiB) whatever the tensor's size."""
+_CHUNK_ELEMENTS = 1 << 18
+"""Elements reduced at once: a chunk's widened (int64) partial sums stay in cache. Reducing a 25M-element embedding
+in one call ran 10x slower per element, most of it faulting in the int64 copy the reduction widens into."""
 
 _BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -86,37 +87,48 @@ def _salt(key: str) -> int:
 
 
 def _piece_sum(local: torch.Tensor, piece: LocalPiece, global_shape: tuple[int, ...], salt: int) -> torch.Tensor:
-    """Sum of bits x odd weight over one piece, the weight from the element's global flat index."""
+    """Sum of bits x odd weight ``2 * (g + salt) + 1`` over one piece, ``g`` the element's global flat index, modulo
+    2**64. Computed without a per-element weight: the sum is ``2 * sum_d stride_d * sum_p p * S_d[p] + (2 * salt + 1)
+    * sum(bits)``, where ``S_d[p]`` is the bits summed over the piece's elements at global position ``p`` of dim
+    ``d``: one integer reduction per dim, in cache-sized chunks of rows (4-10x faster than weighting every element,
+    the same number: integer arithmetic modulo 2**64 is a ring)."""
     region = local[piece.local_slices(piece.global_box)] if local.dim() else local.reshape(())
-    box = piece.global_box
-    strides = _row_major_strides(global_shape)
     total = torch.zeros((), dtype=torch.int64, device=local.device)
     if region.numel() == 0:
         return total
-    if region.dim() == 0:
-        return total + _bits(region.reshape(1)).sum() * (2 * salt + 1)
-    rows_per_chunk = max(1, _CHUNK_ELEMENTS // max(1, region[0].numel()))
-    start0 = box.bounds[0][0]
-    for first in range(0, region.shape[0], rows_per_chunk):
-        chunk = region[first:first + rows_per_chunk]
-        index = torch.zeros(chunk.shape, dtype=torch.int64, device=local.device)
-        for dim, length in enumerate(chunk.shape):
-            begin = (start0 + first) if dim == 0 else box.bounds[dim][0]
-            positions = torch.arange(begin, begin + length, dtype=torch.int64, device=local.device)
-            index += positions.view([length if d == dim else 1 for d in range(chunk.dim())]) * strides[dim]
-        total += (_bits(chunk) * (2 * (index.reshape(-1) + salt) + 1)).sum()
-    return total
+    bits = _bits(region)
+    if bits.dim() == 0:
+        return total + bits.to(torch.int64) * (2 * salt + 1)
+    along = [torch.zeros(length, dtype=torch.int64, device=local.device) for length in bits.shape]
+    rows_per_chunk = max(1, _CHUNK_ELEMENTS // max(1, bits[0].numel()))
+    for first in range(0, bits.shape[0], rows_per_chunk):
+        chunk = bits[first:first + rows_per_chunk]
+        along[0][first:first + chunk.shape[0]] = _sums_along(chunk, 0)
+        for dim in range(1, chunk.dim()):
+            along[dim] += _sums_along(chunk, dim)
+    strides = _row_major_strides(global_shape)
+    for dim, ((begin, _), sums) in enumerate(zip(piece.global_box.bounds, along, strict=True)):
+        positions = torch.arange(begin, begin + sums.numel(), dtype=torch.int64, device=local.device)
+        total += (sums * positions).sum() * strides[dim]
+    return total * 2 + along[0].sum() * (2 * salt + 1)
+
+
+def _sums_along(bits: torch.Tensor, dim: int) -> torch.Tensor:
+    """``bits`` summed (in int64) over every dim but ``dim``: one sum per position along ``dim``."""
+    others = [d for d in range(bits.dim()) if d != dim]
+    return bits.sum(dim=others, dtype=torch.int64) if others else bits.to(torch.int64)
 
 
 def _bits(values: torch.Tensor) -> torch.Tensor:
-    """The elements' bit patterns as int64, flattened (equal values with different bits, e.g. -0.0, differ)."""
-    flat = values.detach().contiguous().reshape(-1)
-    if flat.dtype == torch.bool:
-        flat = flat.view(torch.uint8)
-    if flat.element_size() == 16:  # complex128: its two 64-bit halves, mixed into one number per element
-        halves = flat.view(torch.int64).reshape(-1, 2)
-        return halves[:, 0] * 3 + halves[:, 1]
-    return flat.view(_BITS_DTYPE[flat.element_size()]).to(torch.int64)
+    """The elements' bit patterns as integers, in ``values``' shape (equal values with different bits, e.g. -0.0,
+    differ): a view of the same memory, except for complex128, whose two 64-bit halves are mixed into one int64."""
+    values = values.detach()
+    if values.dtype == torch.bool:
+        return values.view(torch.uint8)
+    if values.element_size() == 16:
+        halves = torch.view_as_real(values).view(torch.int64)
+        return halves[..., 0] * 3 + halves[..., 1]
+    return values.view(_BITS_DTYPE[values.element_size()])
 
 
 def _row_major_strides(shape: tuple[int, ...]) -> list[int]:

@@ -381,6 +381,10 @@ class ElasticMigrationStrategy(HybridLayoutStrategy):
         """Record the change ``handoff`` carries (see :meth:`ChangeLog.record_prior`)."""
         self._changes.record_prior(trainer, handoff, rank=self.global_rank, choice=self.layout_choice)
 
+    def set_apart_from_first_step(self, phase: str, seconds: float) -> None:
+        """See :meth:`ChangeLog.set_apart`."""
+        self._changes.set_apart(phase, seconds)
+
     def finish_join_event(self, trainer: pl.Trainer, *, interrupted: bool = False) -> None:
         """Record the change this fit began with (see :meth:`ChangeLog.finish`)."""
         self._changes.finish(trainer, generation=self.generation, world_size=self.world_size, rank=self.global_rank,

@@ -292,7 +292,8 @@ def run_save_hooks(trainer: pl.Trainer, handoff: LiveHandoff) -> None:
     """Once a captured boundary is handed over: the callbacks' and the module's ``on_save_checkpoint`` see its resume
     metadata as they see a checkpoint Lightning saves, with the module's ``state_dict`` (the live tensors, not
     copied; taken out again, as the state moves by itself), and what they add travels with it. Not at every
-    boundary's capture: Lightning calls these hooks when it saves, not at every step."""
+    boundary's capture: Lightning calls these hooks when it saves, not at every step. Their time is the change's
+    ``save_hooks`` phase (the proof of the state handed over is most of it)."""
     module = trainer.lightning_module
     checkpoint = handoff.metadata
     checkpoint["state_dict"] = module.state_dict()
@@ -302,6 +303,7 @@ def run_save_hooks(trainer: pl.Trainer, handoff: LiveHandoff) -> None:
         module.on_save_checkpoint(checkpoint)
     finally:
         checkpoint.pop("state_dict", None)
+    handoff.lap("save_hooks")
 
 
 class HandoffAwareCheckpoint(ModelCheckpoint):
