@@ -90,7 +90,7 @@ def _piece_sum(local: torch.Tensor, piece: LocalPiece, global_shape: tuple[int, 
     """Sum of bits x odd weight ``2 * (g + salt) + 1`` over one piece, ``g`` the element's global flat index, modulo
     2**64. Computed without a per-element weight: the sum is ``2 * sum_d stride_d * sum_p p * S_d[p] + (2 * salt + 1)
     * sum(bits)``, where ``S_d[p]`` is the bits summed over the piece's elements at global position ``p`` of dim
-    ``d``: one integer reduction per dim, in cache-sized chunks of rows (4-10x faster than weighting every element,
+    ``d``: one integer reduction per dim, in cache-sized chunks of rows (6-9x faster than weighting every element,
     the same number: integer arithmetic modulo 2**64 is a ring)."""
     region = local[piece.local_slices(piece.global_box)] if local.dim() else local.reshape(())
     total = torch.zeros((), dtype=torch.int64, device=local.device)
@@ -101,8 +101,13 @@ def _piece_sum(local: torch.Tensor, piece: LocalPiece, global_shape: tuple[int, 
         return total + bits.to(torch.int64) * (2 * salt + 1)
     along = [torch.zeros(length, dtype=torch.int64, device=local.device) for length in bits.shape]
     rows_per_chunk = max(1, _CHUNK_ELEMENTS // max(1, bits[0].numel()))
+    widened = torch.empty(min(bits.numel(), rows_per_chunk * bits[0].numel()), dtype=torch.int64,
+                          device=local.device)
     for first in range(0, bits.shape[0], rows_per_chunk):
-        chunk = bits[first:first + rows_per_chunk]
+        # Widened once into one reused buffer, then reduced in int64: reducing the narrow bits with dtype=int64
+        # widens every element again in every reduction (1.5x slower per element).
+        narrow = bits[first:first + rows_per_chunk]
+        chunk = widened[:narrow.numel()].view(narrow.shape).copy_(narrow)
         along[0][first:first + chunk.shape[0]] = _sums_along(chunk, 0)
         for dim in range(1, chunk.dim()):
             along[dim] += _sums_along(chunk, dim)
@@ -114,9 +119,9 @@ def _piece_sum(local: torch.Tensor, piece: LocalPiece, global_shape: tuple[int, 
 
 
 def _sums_along(bits: torch.Tensor, dim: int) -> torch.Tensor:
-    """``bits`` summed (in int64) over every dim but ``dim``: one sum per position along ``dim``."""
+    """``bits`` (int64) summed over every dim but ``dim``: one sum per position along ``dim``."""
     others = [d for d in range(bits.dim()) if d != dim]
-    return bits.sum(dim=others, dtype=torch.int64) if others else bits.to(torch.int64)
+    return bits.sum(dim=others) if others else bits
 
 
 def _bits(values: torch.Tensor) -> torch.Tensor:
