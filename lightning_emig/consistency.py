@@ -19,7 +19,10 @@ trains on while the others stop.
 
 from __future__ import annotations
 
+import time
 import zlib
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -29,6 +32,9 @@ import torch.distributed as dist
 from lightning_emig.layout import HybridLayout
 from lightning_emig.migration.digest import digest_sums
 from lightning_emig.migration.state import StateTensor
+
+PROOF_KEY = "lightning_emig_state_proof"
+"""Where a checkpoint (or a handoff's metadata) keeps the proof of the state it holds."""
 
 
 class InconsistentStateError(RuntimeError):
@@ -65,20 +71,24 @@ def prove_state(state: dict[str, StateTensor], layout: HybridLayout, *, rank: in
                 generation: int, device: torch.device, when: str) -> StateProof:
     """Check that the world's ranks hold one state (module docstring) and return it; ``when`` names the moment in
     the error. Every rank of the default process group calls it at the same point."""
+    return begin_proof(state, layout, rank=rank, step=step, data_offset=data_offset, generation=generation,
+                       device=device, when=when).result()
+
+
+def begin_proof(state: dict[str, StateTensor], layout: HybridLayout, *, rank: int, step: int, data_offset: int,
+                generation: int, device: torch.device, when: str,
+                read_only: Callable[[str], bool] | None = None) -> ProofInFlight:
+    """:func:`prove_state` in two halves, for a caller with other work to do meanwhile: the ranks agree on step, data
+    offset, generation and layout now (one all-reduce of integers), and the tensors whose keys ``read_only`` accepts
+    (nobody writes them before :meth:`ProofInFlight.result`) are summed on a thread; the others now. Every rank of
+    the default process group calls both halves at the same points."""
     keys = sorted(state)
     facts = torch.tensor([step, data_offset, generation, _layout_code(layout), _keys_code(keys)], dtype=torch.int64,
                          device=device)
-    slots, per_tensor = digest_sums(state, layout, rank, device)
     extremes = torch.cat([facts, -facts])  # one MAX gives every fact's highest and lowest value
-    distributed = dist.is_initialized() and dist.get_world_size() > 1
-    if distributed:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
-    # Every rank holds the same keys (no pipeline stages): the per-tensor sums line up and are reduced too.
-    same_keys = int(extremes[4]) == -int(extremes[9])
-    sums = torch.cat([slots, per_tensor]) if same_keys else slots
-    if distributed:
-        dist.all_reduce(sums)
-    slots, per_tensor = sums[:len(slots)], sums[len(slots):]
     highest, lowest = extremes[:4].tolist(), [-v for v in extremes[5:9].tolist()]
     disagree = [f"{name} {low}..{high}" for name, low, high in
                 zip(("step", "data offset", "generation", "layout"), lowest, highest, strict=True) if low != high]
@@ -87,16 +97,76 @@ def prove_state(state: dict[str, StateTensor], layout: HybridLayout, *, rank: in
             f"INCONSISTENT STATE {when}: the ranks disagree on {', '.join(disagree)} (this rank: step {step}, "
             f"data offset {data_offset}, generation {generation}, {layout.describe()}): they do not hold one state"
         )
-    digests = sorted({_unsigned(v) for v in slots.tolist()})
-    if len(digests) > 1:
-        raise InconsistentStateError(
-            f"INCONSISTENT STATE {when} at step {step}: replicas of the training state differ "
-            f"({len(digests)} different digests over the {len(slots)} replica slots of {layout.describe()})"
-        )
-    tensors = ({key: _unsigned(v) for key, v in zip(keys, per_tensor.tolist(), strict=True)} if same_keys
-               else None)  # pipeline stages: each holds its own tensors, the whole digest only
-    return StateProof(step=step, data_offset=data_offset, generation=generation, layout=layout.describe(),
-                      digest=digests[0], tensors=tensors)
+    later = None
+    if read_only is not None:
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-emig-proof")
+        later = pool.submit(digest_sums, state, layout, rank, device, read_only)
+        pool.shutdown(wait=False)  # the thread ends with its one task
+    now = digest_sums(state, layout, rank, device, None if read_only is None else lambda key: not read_only(key))
+    return ProofInFlight(
+        # Every rank holds the same keys (no pipeline stages): the per-tensor sums line up and are reduced too.
+        keys=keys, same_keys=int(extremes[4]) == -int(extremes[9]), sums_now=now, sums_later=later, world=world,
+        step=step, data_offset=data_offset, generation=generation, layout=layout, when=when,
+    )
+
+
+@dataclass
+class ProofInFlight:
+    """A proof begun by :func:`begin_proof`: the ranks agreed on the facts, some sums are still being taken."""
+
+    keys: list[str]
+    same_keys: bool
+    sums_now: tuple[torch.Tensor, torch.Tensor]
+    sums_later: Future[tuple[torch.Tensor, torch.Tensor]] | None
+    world: int
+    """The size of the default process group it began in: it is completed in the same one (a world of one: no
+    collective, anywhere)."""
+    step: int
+    data_offset: int
+    generation: int
+    layout: HybridLayout
+    when: str
+
+    def result(self) -> StateProof:
+        """Wait for the sums, reduce them over the world (one all-reduce) and check that every replica agrees: the
+        proof, or :class:`InconsistentStateError` on every rank."""
+        slots, per_tensor = self.sums_now
+        if self.sums_later is not None:
+            later_slots, later_per_tensor = self.sums_later.result()
+            slots, per_tensor = slots + later_slots, per_tensor + later_per_tensor
+        sums = torch.cat([slots, per_tensor]) if self.same_keys else slots
+        if self.world > 1:
+            if dist.get_world_size() != self.world:
+                raise RuntimeError(f"a proof begun in a world of {self.world} cannot be completed in a world of "
+                                   f"{dist.get_world_size()}")
+            dist.all_reduce(sums)
+        slots, per_tensor = sums[:len(slots)], sums[len(slots):]
+        digests = sorted({_unsigned(v) for v in slots.tolist()})
+        if len(digests) > 1:
+            raise InconsistentStateError(
+                f"INCONSISTENT STATE {self.when} at step {self.step}: replicas of the training state differ "
+                f"({len(digests)} different digests over the {len(slots)} replica slots of {self.layout.describe()})"
+            )
+        tensors = ({key: _unsigned(v) for key, v in zip(self.keys, per_tensor.tolist(), strict=True)}
+                   if self.same_keys else None)  # pipeline stages: each holds its own tensors, the whole digest only
+        return StateProof(step=self.step, data_offset=self.data_offset, generation=self.generation,
+                          layout=self.layout.describe(), digest=digests[0], tensors=tensors)
+
+    def abandon(self) -> None:
+        """Never to be completed (the fit failed, the world broke): wait until the thread reads the state no more,
+        so that it may be released."""
+        if self.sums_later is not None:
+            wait([self.sums_later])
+
+
+def settle_handoff_proof(metadata: dict[str, Any]) -> float:
+    """Complete the proof a live handoff's save hooks began (a collective of the old world, still whole; before the
+    old state is released). Returns the seconds it waited."""
+    started = time.perf_counter()
+    in_flight = metadata.get(PROOF_KEY)
+    if isinstance(in_flight, ProofInFlight):
+        metadata[PROOF_KEY] = in_flight.result().as_dict()
+    return time.perf_counter() - started
 
 
 def check_same_state(before: StateProof, after: StateProof, *, what: str) -> None:

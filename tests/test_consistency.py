@@ -15,7 +15,13 @@ import pytest
 import torch
 
 from lightning_emig.change.consistency import PROOF_KEY
-from lightning_emig.consistency import InconsistentStateError, StateProof, check_same_state, prove_state
+from lightning_emig.consistency import (
+    InconsistentStateError,
+    StateProof,
+    begin_proof,
+    check_same_state,
+    prove_state,
+)
 from lightning_emig.layout import HybridLayout, build_mesh
 from lightning_emig.migration import digest
 from lightning_emig.migration.boxes import LocalPiece, ShardBox
@@ -53,6 +59,11 @@ def _every_case(rank: int, world: int) -> dict[str, Any]:
         results[layout.describe()] = _prove(state, layout, rank)
     layout = HybridLayout(dp_shard=2).resolve(world)
     state, model = _state(layout)
+    at_once = _prove(state, layout, rank)
+    in_flight = begin_proof(state, layout, rank=rank, step=4, data_offset=32, generation=1,
+                            device=torch.device("cpu"), when="in the test",
+                            read_only=lambda key: not key.startswith("optim/"))
+    results["begun_then_completed"] = (in_flight.sums_later is not None, in_flight.result() == at_once)
     results["step_differs"] = _prove(state, layout, rank, step=4 + rank)
     with torch.no_grad():  # one element of one shard (rank 1's): another state, still consistent
         if rank == 1:
@@ -84,6 +95,11 @@ def test_the_digest_of_one_state_is_the_same_under_every_layout(cases: list[dict
 
 def test_a_plain_buffer_may_differ_between_ranks(cases: list[dict[str, Any]]) -> None:
     assert all(isinstance(rank_result["per_rank_buffer"], StateProof) for rank_result in cases), cases
+
+
+def test_a_proof_summed_on_a_thread_is_the_proof_taken_at_once(cases: list[dict[str, Any]]) -> None:
+    """Begun now, some tensors summed on a thread, completed later: the same proof."""
+    assert [r["begun_then_completed"] for r in cases] == [(True, True), (True, True)]
 
 
 def test_one_element_changes_the_digest(cases: list[dict[str, Any]]) -> None:
@@ -182,7 +198,7 @@ def _fit_guarded(rank: int, world: int, root: str) -> dict[str, str]:
     import torch.distributed as dist
 
     from lightning_emig.change import requests
-    from lightning_emig.testing.runs import fit, tiny_config, with_schedule
+    from lightning_emig.testing.runs import build_run, fit, tiny_config, with_schedule
 
     outcome: dict[str, str] = {}
     base = Path(root)
@@ -199,8 +215,11 @@ def _fit_guarded(rank: int, world: int, root: str) -> dict[str, str]:
         tensors[sorted(tensors)[-1]] ^= 1  # and the digest of the tensor it names
         torch.save(meta, checkpoint / "meta.pt")
     dist.barrier()
-    outcome["tampered"] = _error_of(lambda: fit(tiny_config(layout={"tp": 2}, max_steps=4, world_size=world),
-                                                base / "tampered", ckpt_path=str(checkpoint)))
+    tampered = build_run(tiny_config(layout={"tp": 2}, max_steps=4, world_size=world), base / "tampered")
+    outcome["tampered"] = _error_of(lambda: tampered.trainer.fit(tampered.module, train_dataloaders=tampered.loader,
+                                                                 ckpt_path=str(checkpoint)))
+    # Its proof is summed during the first step's forward and backward, and refused before the optimizer step.
+    outcome["tampered_step"] = str(tampered.trainer.global_step)
     requests.reconfigure_live = _corrupting(requests.reconfigure_live)
     outcome["corrupted_change"] = _error_of(lambda: fit(with_schedule(
         tiny_config(layout={"dp_shard": 2}, max_steps=4, world_size=world), [(2, {"dp_shard": 1, "tp": 2})]),
@@ -223,6 +242,10 @@ def guarded(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
 
 def test_a_checkpoint_resumed_under_another_layout_proves_the_state_it_saved(guarded: list[dict[str, str]]) -> None:
     assert [r["resumed_to_step"] for r in guarded] == ["4", "4"]
+
+
+def test_a_state_refused_when_its_fit_started_was_never_stepped_on(guarded: list[dict[str, str]]) -> None:
+    assert [r["tampered_step"] for r in guarded] == ["3", "3"]
 
 
 @pytest.mark.parametrize(("case", "message"), [

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from lightning_emig.change.boundary import rescale_batch_progress
 from lightning_emig.change.rng import restore_rng_for_rank
+from lightning_emig.consistency import settle_handoff_proof
 from lightning_emig.layout import HybridLayout
 from lightning_emig.membership.handoff import LiveHandoff
 from lightning_emig.migration.change import ChangeRecord, execute_change, whole_state_specs
@@ -88,8 +89,10 @@ def join_live(
         )
     source = holders[0]
     box: list[Any] = [None]
+    proving = 0.0
     if rank == source:
         assert handoff is not None
+        proving = settle_handoff_proof(handoff.metadata)  # an old world of one summed its digest until now
         box[0] = _Announcement(
             old_layout=handoff.old_layout.as_dict(), old_world=handoff.old_world,
             state_specs={k: t.spec for k, t in (handoff.state or {}).items()}, metadata=handoff.metadata,
@@ -111,7 +114,7 @@ def join_live(
         tuple(ProcessInfo(pid=r, node=node, old_rank=old, new_rank=r) for r, (node, _, old) in enumerate(who)),
         news.old_world, world,
     )
-    seconds = {"handshake": time.perf_counter() - started}
+    seconds = {"prove_handed": proving, "handshake": time.perf_counter() - started - proving}
 
     module = strategy.lightning_module
     assert module is not None

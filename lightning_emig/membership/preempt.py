@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from lightning_emig.consistency import settle_handoff_proof
 from lightning_emig.launcher.generation import (
     ENV_NODE_ID,
     NodeEntry,
@@ -185,10 +186,13 @@ def drain_leavers(trainer: pl.Trainer, client: Any, handoff: LiveHandoff) -> Liv
         new_layout=new_layout, identity=identity, pid=rank, release_old=False,
         transfer=strategy.elastic_settings.transfer,
     )
+    # The proof of the state handed over, begun by the save hooks and summed during the transfer: completed over the
+    # old group, still whole, while the old shards are still there.
+    prove_handed = settle_handoff_proof(handoff.metadata)
     # Handed over on every process: the old shards are read no more (saves are skipped while a handoff is pending).
     # Kept until here so a drain that fails leaves them intact for the survivors' recovery.
     release_storage(old_state, keep=strategy.live_storages() | adopted_storages(new_state))
-    handoff.seconds = {**handoff.seconds, "agree_leave": agree, "allocate": allocate}
+    handoff.seconds = {**handoff.seconds, "agree_leave": agree, "allocate": allocate, "prove_handed": prove_handed}
     handoff.phase_started = time.perf_counter()
     handoff.generation = new_generation
     handoff.state = new_state

@@ -22,7 +22,7 @@ restored from another step, a transfer that wrote the wrong place), cheap enough
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -44,14 +44,19 @@ def replica_slots(state: Mapping[str, StateTensor], layout: HybridLayout, rank: 
     return digest_sums(state, layout, rank, device)[0]
 
 
-def digest_sums(state: Mapping[str, StateTensor], layout: HybridLayout, rank: int, device: torch.device | str
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def digest_sums(state: Mapping[str, StateTensor], layout: HybridLayout, rank: int, device: torch.device | str,
+                only: Callable[[str], bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's contributions, in one pass: the replica slots (:func:`replica_slots`) and, per tensor in sorted
     key order, its first replica's sum. SUM both over all ranks: the second then holds every tensor's own digest
-    (layout-independent too), which names the tensors that differ where two states' digests do."""
+    (layout-independent too), which names the tensors that differ where two states' digests do.
+
+    ``only`` (a test of the key) sums some tensors and leaves the others' positions zero: the sums of two calls whose
+    ``only`` split the keys add up to one call's."""
     slots = torch.zeros(layout.world_size // layout.pp, dtype=torch.int64, device=device)
     per_tensor = torch.zeros(len(state), dtype=torch.int64, device=device)
     for position, key in enumerate(sorted(state)):
+        if only is not None and not only(key):
+            continue
         tensor = state[key]
         sharding = tensor.spec.on(layout)
         holding = sharding.holding_of_rank(rank)

@@ -37,7 +37,9 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from typing_extensions import override
 
 from lightning_emig.change.boundary import at_step_boundary
+from lightning_emig.change.consistency import HANDOFF_SAVE_KEY
 from lightning_emig.change.progress import show_migration
+from lightning_emig.consistency import settle_handoff_proof
 from lightning_emig.launcher.generation import (
     ENV_NODE_ID,
     control_client_from_env,
@@ -121,11 +123,12 @@ class RendezvousCallback(Callback):
             handoff = stash
             handoff.phase_started = time.perf_counter()
             handoff.seconds.update(detect=detect, agree=agree)
-            run_save_hooks(trainer, handoff)
+            run_save_hooks(trainer, handoff, prove_while_moving=True)  # the drain completes the proof
             show_migration(trainer, "migrating (node leaving)")
             try:
                 strategy.pending_handoff = drain_leavers(trainer, self._client, handoff)
             except NobodyToHandOffToError as nobody:
+                settle_handoff_proof(handoff.metadata)
                 strategy.pending_handoff = _checkpoint_before_leaving(trainer, handoff, nobody)
             strategy.last_boundary = None  # the drain re-laid the captured state out: it is no boundary state now
             trainer.should_stop = True
@@ -136,8 +139,10 @@ class RendezvousCallback(Callback):
         handoff.generation, handoff.phase_started = latest, time.perf_counter()
         handoff.seconds.update(detect=detect, agree=agree)
         # Before the commit: the save hooks prove the state (a collective that may refuse it), and joiners admitted by
-        # the commit must not wait for holders that roll back instead.
-        run_save_hooks(trainer, handoff)
+        # the commit must not wait for holders that roll back instead. A world of one has no replica to disagree and
+        # needs no collective: its digest is summed while the new world forms, the proof completed before the state
+        # is announced to it (join_live).
+        run_save_hooks(trainer, handoff, prove_while_moving=strategy.world_size == 1)
         if trainer.global_rank == 0:  # the agreed number is rank 0's: joiners waiting for admission read it
             open_generation_store(read_generation(self._client, latest), os.environ[ENV_NODE_ID],
                                   int(os.environ["LOCAL_RANK"]), strategy.timeout)
@@ -288,21 +293,29 @@ def capture_handoff(trainer: pl.Trainer, *, new_generation: int, last_step_wall:
     )
 
 
-def run_save_hooks(trainer: pl.Trainer, handoff: LiveHandoff) -> None:
+def run_save_hooks(trainer: pl.Trainer, handoff: LiveHandoff, *, prove_while_moving: bool = False) -> None:
     """Once a captured boundary is handed over: the callbacks' and the module's ``on_save_checkpoint`` see its resume
     metadata as they see a checkpoint Lightning saves, with the module's ``state_dict`` (the live tensors, not
     copied; taken out again, as the state moves by itself), and what they add travels with it. Not at every
     boundary's capture: Lightning calls these hooks when it saves, not at every step. Their time is the change's
-    ``save_hooks`` phase (the proof of the state handed over is most of it)."""
+    ``save_hooks`` phase.
+
+    The proof of the state handed over is begun there; with ``prove_while_moving`` the caller completes it
+    (:func:`~lightning_emig.change.consistency.settle_handoff_proof`) once the state has moved, before the old state
+    is released (a drain: its digest is summed during the transfer), else it is completed here."""
     module = trainer.lightning_module
     checkpoint = handoff.metadata
     checkpoint["state_dict"] = module.state_dict()
+    checkpoint[HANDOFF_SAVE_KEY] = True
     try:
         for callback in trainer.callbacks:
             callback.on_save_checkpoint(trainer, module, checkpoint)
         module.on_save_checkpoint(checkpoint)
     finally:
         checkpoint.pop("state_dict", None)
+        checkpoint.pop(HANDOFF_SAVE_KEY, None)
+    if not prove_while_moving:
+        settle_handoff_proof(checkpoint)
     handoff.lap("save_hooks")
 
 
