@@ -301,7 +301,7 @@ def run_save_hooks(trainer: pl.Trainer, handoff: LiveHandoff, *, prove_while_mov
     ``save_hooks`` phase.
 
     The proof of the state handed over is begun there; with ``prove_while_moving`` the caller completes it
-    (:func:`~lightning_emig.change.consistency.settle_handoff_proof`) once the state has moved, before the old state
+    (:func:`~lightning_emig.consistency.settle_handoff_proof`) once the state has moved, before the old state
     is released (a drain: its digest is summed during the transfer), else it is completed here."""
     module = trainer.lightning_module
     checkpoint = handoff.metadata
