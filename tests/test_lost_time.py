@@ -123,3 +123,20 @@ def test_the_proof_after_a_change_is_its_own_phase_not_part_of_the_first_step(mo
     (event,) = changes.events
     assert event.seconds == {"transfer": 0.25, "prove": 0.5, "first_step": 2.0}
     assert event.downtime_seconds == 3.5
+    assert "proven_digest" not in event.as_dict()  # nothing was compared
+
+
+def test_a_change_proven_equal_to_its_state_before_says_so_in_its_event() -> None:
+    from lightning_emig.change.record import ChangeLog
+    from lightning_emig.layout import HybridLayout
+    from lightning_emig.migration.change import ChangeRecord
+
+    changes = ChangeLog()
+    changes.note_proven(0xABC)  # no change begun: nothing to say it of
+    two, one = HybridLayout().resolve(2), HybridLayout().resolve(1)
+    changes.begin(ChangeRecord(kind="preempt", step=5, old_layout=two, new_layout=one, old_world=2, new_world=1),
+                  last_step_wall=0.0)
+    changes.note_proven(0x9E37ECEAB620F6C2)
+    changes.finish(None, generation=1, world_size=1, rank=1, choice=None)  # type: ignore[arg-type]
+    (event,) = changes.events
+    assert event.as_dict()["proven_digest"] == "0x9e37eceab620f6c2"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -146,6 +147,10 @@ def test_the_script_survives_a_join_and_a_preemption_in_one_fit_call(tmp_path: P
     checked = _join_then_preempt(tmp_path, reference, layout=["--layout-change", "40:tp=2"], processes=1)
     assert [(e["kind"], e["step"], e["old_world"], e["new_world"]) for e in checked["events"]] == [
         ("join", 20, 1, 2), ("reconfigure", 40, 2, 2), ("preempt", 60, 2, 1)]
+    # The state each live change handed over was proven equal to the one the new world holds (a join from a world of
+    # one, a drain: both proofs summed beside the move).
+    assert all(re.fullmatch(r"0x[0-9a-f]{16}", checked["events"][i].get("proven_digest", "")) for i in (0, 2)), \
+        checked["events"]
     assert set(checked["ledger"].dp_degrees.values()) == {1, 2}
     # the script's own schedule: built while step 40 trained, swapped in at its boundary
     reconfigure = checked["events"][1]

@@ -178,6 +178,9 @@ class ConsistencyGuard(Callback):
                 if trainer.ckpt_path not in (None, LIVE_CHECKPOINT):
                     error.checkpoint = str(trainer.ckpt_path)
                 raise
+            note = getattr(trainer.strategy, "note_state_proven", None)
+            if note is not None:  # the change's event says what was proven
+                note(proof.digest)
             if trainer.global_rank == 0:
                 log.info("state at step %d proven equal to %s: digest %#018x", proof.step, expected[1], proof.digest)
 

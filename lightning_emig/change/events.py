@@ -73,6 +73,9 @@ class ReconfigureEvent:
     prepared_seconds: dict[str, float] | None = None
     """The phases a background preparation ran while the old layout trained (off the pause; None: built at the
     boundary)."""
+    proven_digest: str | None = None
+    """The digest of the state the new world holds (hex), proven equal to the one taken before the change (a live
+    change's or a rollback's checkpoint; None: nothing to compare with, e.g. one survivor of a failure)."""
 
     @classmethod
     def of(cls, change: ChangeRecord, *, generation: int | None = None, downtime_seconds: float | None = None
@@ -89,7 +92,7 @@ class ReconfigureEvent:
     def as_dict(self) -> dict[str, Any]:
         optional = (("generation", self.generation), ("downtime_seconds", self.downtime_seconds),
                     ("steps_rolled_back", self.steps_rolled_back), ("layout_choice", self.layout_choice),
-                    ("prepared_seconds", self.prepared_seconds))
+                    ("prepared_seconds", self.prepared_seconds), ("proven_digest", self.proven_digest))
         extra = {k: v for k, v in optional if v is not None}
         return {
             "kind": self.kind, "step": self.step, "old_layout": self.old_layout, "new_layout": self.new_layout,

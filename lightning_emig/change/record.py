@@ -37,6 +37,8 @@ class _Begun:
     """``time.time()`` when the last step on the old world finished."""
     in_place: float
     """``time.perf_counter()`` when the state was in place on the new world."""
+    proven_digest: int | None = None
+    """The state's digest once proven equal to the one before the change (:meth:`ChangeLog.note_proven`)."""
 
 
 class ChangeLog:
@@ -59,6 +61,12 @@ class ChangeLog:
             return
         record = dataclasses.replace(begun.record, seconds={**begun.record.seconds, phase: seconds})
         self._begun = dataclasses.replace(begun, record=record, in_place=begun.in_place + seconds)
+
+    def note_proven(self, digest: int) -> None:
+        """The new world's state was proven equal to the state before the change (its ``digest``): the event says so.
+        Nothing to do without a change begun."""
+        if self._begun is not None:
+            self._begun = dataclasses.replace(self._begun, proven_digest=digest)
 
     def forget(self) -> None:
         """A new fit starts: a change the last one began and never recorded is not this fit's."""
@@ -119,4 +127,6 @@ class ChangeLog:
             return
         downtime = None if interrupted else time.time() - begun.last_step_wall
         event = ReconfigureEvent.of(record, generation=generation, downtime_seconds=downtime)
+        if begun.proven_digest is not None:
+            event.proven_digest = f"{begun.proven_digest:#018x}"
         self.record(trainer, event, rank=rank, choice=choice)

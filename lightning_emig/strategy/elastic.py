@@ -385,6 +385,10 @@ class ElasticMigrationStrategy(HybridLayoutStrategy):
         """See :meth:`ChangeLog.set_apart`."""
         self._changes.set_apart(phase, seconds)
 
+    def note_state_proven(self, digest: int) -> None:
+        """See :meth:`ChangeLog.note_proven`."""
+        self._changes.note_proven(digest)
+
     def finish_join_event(self, trainer: pl.Trainer, *, interrupted: bool = False) -> None:
         """Record the change this fit began with (see :meth:`ChangeLog.finish`)."""
         self._changes.finish(trainer, generation=self.generation, world_size=self.world_size, rank=self.global_rank,
