@@ -19,10 +19,12 @@ trains on while the others stop.
 
 from __future__ import annotations
 
+import logging
 import time
 import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -32,6 +34,8 @@ import torch.distributed as dist
 from lightning_emig.layout import HybridLayout
 from lightning_emig.migration.digest import digest_sums
 from lightning_emig.migration.state import StateTensor
+
+log = logging.getLogger(__name__)
 
 PROOF_KEY = "lightning_emig_state_proof"
 """Where a checkpoint (or a handoff's metadata) keeps the proof of the state it holds."""
@@ -77,11 +81,12 @@ def prove_state(state: dict[str, StateTensor], layout: HybridLayout, *, rank: in
 
 def begin_proof(state: dict[str, StateTensor], layout: HybridLayout, *, rank: int, step: int, data_offset: int,
                 generation: int, device: torch.device, when: str,
-                read_only: Callable[[str], bool] | None = None) -> ProofInFlight:
+                read_only: Callable[[str], bool] | None = None, timeout_s: float = 1800.0) -> ProofInFlight:
     """:func:`prove_state` in two halves, for a caller with other work to do meanwhile: the ranks agree on step, data
     offset, generation and layout now (one all-reduce of integers), and the tensors whose keys ``read_only`` accepts
     (nobody writes them before :meth:`ProofInFlight.result`) are summed on a thread; the others now. Every rank of
-    the default process group calls both halves at the same points."""
+    the default process group calls both halves at the same points. ``timeout_s`` bounds the wait for the thread (the
+    process group's own timeout, from the strategy)."""
     keys = sorted(state)
     facts = torch.tensor([step, data_offset, generation, _layout_code(layout), _keys_code(keys)], dtype=torch.int64,
                          device=device)
@@ -106,7 +111,7 @@ def begin_proof(state: dict[str, StateTensor], layout: HybridLayout, *, rank: in
     return ProofInFlight(
         # Every rank holds the same keys (no pipeline stages): the per-tensor sums line up and are reduced too.
         keys=keys, same_keys=int(extremes[4]) == -int(extremes[9]), sums_now=now, sums_later=later, world=world,
-        step=step, data_offset=data_offset, generation=generation, layout=layout, when=when,
+        step=step, data_offset=data_offset, generation=generation, layout=layout, when=when, timeout_s=timeout_s,
     )
 
 
@@ -126,13 +131,19 @@ class ProofInFlight:
     generation: int
     layout: HybridLayout
     when: str
+    timeout_s: float = 1800.0
+    """The longest :meth:`result` and :meth:`abandon` wait for the thread."""
 
     def result(self) -> StateProof:
         """Wait for the sums, reduce them over the world (one all-reduce) and check that every replica agrees: the
         proof, or :class:`InconsistentStateError` on every rank."""
         slots, per_tensor = self.sums_now
         if self.sums_later is not None:
-            later_slots, later_per_tensor = self.sums_later.result()
+            try:
+                later_slots, later_per_tensor = self.sums_later.result(timeout=self.timeout_s)
+            except FutureTimeout:
+                raise TimeoutError(f"the state digest taken {self.when} (step {self.step}) did not finish within "
+                                   f"{self.timeout_s:.0f}s on its thread") from None
             slots, per_tensor = slots + later_slots, per_tensor + later_per_tensor
         sums = torch.cat([slots, per_tensor]) if self.same_keys else slots
         if self.world > 1:
@@ -155,8 +166,9 @@ class ProofInFlight:
     def abandon(self) -> None:
         """Never to be completed (the fit failed, the world broke): wait until the thread reads the state no more,
         so that it may be released."""
-        if self.sums_later is not None:
-            wait([self.sums_later])
+        if self.sums_later is not None and wait([self.sums_later], timeout=self.timeout_s).not_done:
+            log.warning("the state digest taken %s (step %d) was still running after %.0fs; going on without it",
+                        self.when, self.step, self.timeout_s)
 
 
 def settle_handoff_proof(metadata: dict[str, Any]) -> float:

@@ -102,6 +102,21 @@ def test_a_proof_summed_on_a_thread_is_the_proof_taken_at_once(cases: list[dict[
     assert [r["begun_then_completed"] for r in cases] == [(True, True), (True, True)]
 
 
+def test_a_proof_whose_digest_never_finishes_says_what_it_waited_for() -> None:
+    from concurrent.futures import Future
+
+    from lightning_emig.consistency import ProofInFlight
+
+    never: Future = Future()  # a thread that never delivers its sums
+    empty = torch.zeros(1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    in_flight = ProofInFlight(keys=[], same_keys=True, sums_now=empty, sums_later=never, world=1, step=7,
+                              data_offset=0, generation=1, layout=HybridLayout().resolve(1),
+                              when="when the fit started", timeout_s=0.05)
+    with pytest.raises(TimeoutError, match=r"digest taken when the fit started \(step 7\) did not finish within 0s"):
+        in_flight.result()
+    in_flight.abandon()  # bounded as well: warns and returns
+
+
 def test_one_element_changes_the_digest(cases: list[dict[str, Any]]) -> None:
     same = cases[0][HybridLayout(dp_shard=2).resolve(2).describe()]
     changed = cases[0]["one_element_changed"]

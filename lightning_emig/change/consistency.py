@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 
 HANDOFF_SAVE_KEY = "lightning_emig_live_handoff"
 """Set in what a live handoff's save hooks see as the checkpoint: its proof is begun there and completed by
-:func:`~lightning_emig.consistency.settle_handoff_proof` once the state has moved (the old state is only read until then)."""
+:func:`~lightning_emig.consistency.settle_handoff_proof` once the state has moved (the old state is only read until
+then)."""
 
 
 def prove(trainer: pl.Trainer, when: str) -> StateProof:
@@ -65,7 +66,7 @@ def begin_proof_of(trainer: pl.Trainer, when: str, read_only: Callable[[str], bo
         training_state(trainer.lightning_module, trainer.optimizers[0] if trainer.optimizers else None),
         strategy.layout, rank=trainer.global_rank, step=trainer.global_step,
         data_offset=streams[0].offset if streams else -1, generation=strategy.generation,
-        device=strategy.root_device, when=when, read_only=read_only,
+        device=strategy.root_device, when=when, read_only=read_only, timeout_s=strategy.timeout.total_seconds(),
     )
 
 
