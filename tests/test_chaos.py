@@ -207,3 +207,28 @@ def test_a_rollback_is_excused_only_when_every_replica_was_killed() -> None:
     earlier = Played(ChaosEvent("kill_worker", "a", "127.0.0.2", 1.0), 1.0, 40)
     assert not _check_rollbacks([restart], [kill_b, earlier]).ok  # killed long before: it had been recovered from
 
+
+
+def test_a_missing_loss_line_is_excused_only_at_a_kill(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 writes a step's loss line after the step: a kill at that step may take it first, nowhere else."""
+    import json
+    from types import SimpleNamespace
+
+    from lightning_emig.testing import chaos_checks
+    from lightning_emig.testing.chaos import ChaosEvent, Played
+
+    monkeypatch.setattr(chaos_checks, "reference_losses", lambda *_: {str(s): 1.0 for s in range(4)})
+    (tmp_path / "step_times.jsonl").write_text("".join(
+        json.dumps({"step": s, "time": float(s), "world": 2, "loss": 1.0}) + "\n" for s in (1, 2, 4)))  # not step 3
+
+    def check(*played: Played) -> chaos_checks.Check:
+        run = SimpleNamespace(run_dir=tmp_path, out_dir=tmp_path, played=list(played),
+                              settings=SimpleNamespace(base_args=("trainer.max_steps=4",)))
+        return chaos_checks._check_loss(run, {"world_size": 2}, 1e-4)[0]  # type: ignore[arg-type]
+
+    kill = ChaosEvent("kill_worker", "a", "127.0.0.2", 1.0)
+    assert not check().ok and "no loss recorded for steps 2" in check().detail
+    assert check(Played(kill, 1.0, 2)).ok  # killed while step 2 (line 3) was in flight
+    assert "no line for steps 2" in check(Played(kill, 1.0, 2)).detail
+    assert not check(Played(kill, 1.0, 0)).ok  # long before
+    assert not check(Played(kill, 1.0, 2, note="no worker was running")).ok

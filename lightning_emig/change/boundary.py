@@ -79,15 +79,31 @@ def _measure_epoch_again(trainer: pl.Trainer, combined_loader: Any) -> None:
 
 
 class StepBoundaryHook(Callback):
-    """Applies a layout change requested through ``strategy.reconfigure`` at the end of the current step."""
+    """At the end of every optimizer step: records the change the fit began with once its first step is done (a
+    live change, a rollback, a restart), then applies a layout change requested through ``strategy.reconfigure``.
+    Runs before the strategy's other callbacks, so the change is recorded before another can begin."""
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if not at_step_boundary(trainer):
+            return
         strategy: Any = trainer.strategy
-        if getattr(strategy, "reconfigure_pending", False) and at_step_boundary(trainer):
+        _finish_change_event(trainer)
+        if getattr(strategy, "reconfigure_pending", False):
             strategy.apply_pending_reconfigure(trainer)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A change at the last step: the new fit restores max_steps and runs no step; its event is still due.
+        _finish_change_event(trainer)
+
+
+def _finish_change_event(trainer: pl.Trainer) -> None:
+    finish = getattr(trainer.strategy, "finish_change_event", None)
+    if finish is not None:
+        finish(trainer)
 
 
 def rescale_batch_progress(metadata: dict[str, Any], old_accumulation: int, new_accumulation: int) -> None:

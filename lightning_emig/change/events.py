@@ -80,13 +80,13 @@ class ReconfigureEvent:
     @classmethod
     def of(cls, change: ChangeRecord, *, generation: int | None = None, downtime_seconds: float | None = None
            ) -> ReconfigureEvent:
-        """The event of ``change`` (steps rolled back are reported for failures only)."""
+        """The event of ``change`` (steps rolled back are reported for failures and restarts only)."""
         return cls(
             kind=change.kind, step=change.step, old_layout=change.old_layout.as_dict(),
             new_layout=change.new_layout.as_dict(), old_world=change.old_world, new_world=change.new_world,
             bytes_moved=change.bytes_moved, bytes_copied_locally=change.bytes_copied_locally,
             seconds=dict(change.seconds), generation=generation, downtime_seconds=downtime_seconds,
-            steps_rolled_back=change.steps_rolled_back if change.kind == "failure" else None,
+            steps_rolled_back=change.steps_rolled_back if change.kind in ("failure", "restart") else None,
         )
 
     def as_dict(self) -> dict[str, Any]:

@@ -1,9 +1,11 @@
 """The last part of every change: its event, recorded once the first step on the new world is done.
 
-A change that starts a fit (a live join, a preemption's handoff, a rollback to a checkpoint) has its state in place
-before the fit's first step, but its downtime ends only when that step does: :class:`ChangeLog` holds the change's
-record from the moment the state is in place until then (:meth:`ChangeLog.begin` … :meth:`ChangeLog.finish`). A
-change made inside a fit (a layout change) is recorded at once. Every event of a process passes through
+A change that starts a fit (a live join, a preemption's handoff, a rollback to a checkpoint, a restart from one)
+has its state in place before the fit's first step, but its downtime ends only when that step does:
+:class:`ChangeLog` holds the change's record from the moment the state is in place until then
+(:meth:`ChangeLog.begin` … :meth:`ChangeLog.finish`) on every process of the new world, so that whichever is rank 0
+when the fit ends records it — also when a failure ends it before that step. A change made inside a fit (a layout
+change) is recorded at once. Every event of a process passes through
 :meth:`ChangeLog.record`: kept in :attr:`ChangeLog.events`, published on global rank 0 (``events.jsonl``, the
 loggers; see :mod:`~lightning_emig.change.events`).
 """
@@ -48,9 +50,11 @@ class ChangeLog:
         self.events: list[ReconfigureEvent] = []
         self._begun: _Begun | None = None
 
-    def begin(self, record: ChangeRecord, last_step_wall: float) -> None:
-        """The state of change ``record`` is in place now; its event waits for the first step (:meth:`finish`)."""
-        self._begun = _Begun(record, last_step_wall, time.perf_counter())
+    def begin(self, record: ChangeRecord, last_step_wall: float, in_place_wall: float | None = None) -> None:
+        """The state of change ``record`` is in place (since ``time.time()`` ``in_place_wall``; default: now); its
+        event waits for the first step (:meth:`finish`)."""
+        in_place = time.perf_counter() - (0.0 if in_place_wall is None else max(0.0, time.time() - in_place_wall))
+        self._begun = _Begun(record, last_step_wall, in_place)
 
     def set_apart(self, phase: str, seconds: float) -> None:
         """Work of ``seconds`` done since the state was in place, before the first step (the proof of the state that

@@ -37,7 +37,7 @@ from lightning_emig.migration.rank_order import choose_rank_order
 from lightning_emig.migration.state import ShardingSpec, StateTensor, storages_of
 from lightning_emig.migration.transfer import TransferOptions
 
-ChangeKind = Literal["reconfigure", "join", "preempt", "failure"]
+ChangeKind = Literal["reconfigure", "join", "preempt", "failure", "restart"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,6 +60,7 @@ if TYPE_CHECKING:
 
     from lightning_emig.data.batching import BatchPlan
     from lightning_emig.membership.failure import Rollback
+    from lightning_emig.migration.change import ChangeRecord
     from lightning_emig.picker.policy import LayoutPicker
 
 log = logging.getLogger(__name__)
@@ -274,7 +275,7 @@ class ElasticMigrationStrategy(HybridLayoutStrategy):
     def record_event(self, trainer: pl.Trainer, event: ReconfigureEvent) -> None:
         """Keep ``event`` in :attr:`events` and, on global rank 0, publish it (``events.jsonl``, the loggers): the
         entry for changes recorded from outside (a layout change, a restart from the step-time recorder); the ones a
-        fit starts with go to the same :meth:`ChangeLog.record` from :meth:`finish_join_event`."""
+        fit starts with go to the same :meth:`ChangeLog.record` from :meth:`finish_change_event`."""
         self._changes.record(trainer, event, rank=self.global_rank, choice=self.layout_choice)
 
     # -------------------------------------------------------------- checkpoint
@@ -389,7 +390,12 @@ class ElasticMigrationStrategy(HybridLayoutStrategy):
         """See :meth:`ChangeLog.note_proven`."""
         self._changes.note_proven(digest)
 
-    def finish_join_event(self, trainer: pl.Trainer, *, interrupted: bool = False) -> None:
+    def begin_restart_event(self, record: ChangeRecord, *, last_step_wall: float, in_place_wall: float) -> None:
+        """This fit restarted from a checkpoint (``record``, alike on every rank): its event waits for the first
+        step like a live change's (see :meth:`ChangeLog.begin`)."""
+        self._changes.begin(record, last_step_wall, in_place_wall)
+
+    def finish_change_event(self, trainer: pl.Trainer, *, interrupted: bool = False) -> None:
         """Record the change this fit began with (see :meth:`ChangeLog.finish`)."""
         self._changes.finish(trainer, generation=self.generation, world_size=self.world_size, rank=self.global_rank,
                              choice=self.layout_choice, interrupted=interrupted)

@@ -175,7 +175,7 @@ class ElasticFitLauncher(_Launcher):
             _end_interrupted_fit(trainer, exc)
             return self._recover(trainer, exc)
         # A join at max_steps: that fit ran no step, its event is still due.
-        strategy.finish_join_event(trainer)
+        strategy.finish_change_event(trainer)
         handoff = strategy.pending_handoff
         if handoff is None:
             return DONE
@@ -198,7 +198,7 @@ class ElasticFitLauncher(_Launcher):
                                        int(os.environ["LOCAL_RANK"]), held=held)
         self._record_unfinished_change(trainer, held, outcome)
         # A join whose first step the failure interrupted happened all the same: its event comes before the failure's.
-        self._strategy.finish_join_event(trainer, interrupted=True)
+        self._strategy.finish_change_event(trainer, interrupted=True)
         return self._go_on(trainer, outcome, dropped)
 
     def _roll_back_inconsistent(self, trainer: pl.Trainer, error: InconsistentStateError) -> str | None:
@@ -217,6 +217,9 @@ class ElasticFitLauncher(_Launcher):
                 f"{RECOVERY_ATTEMPTS} rollbacks in a row found no state the ranks hold alike; giving up") from error
         log.error("%s; ROLLING BACK to the newest complete checkpoint whose state proves (rollback %d of at most %d)",
                   error, self._inconsistent_rollbacks, RECOVERY_ATTEMPTS)
+        # The change the fit began with (a live change, a restart) happened, though its state is refused: its event
+        # comes before the rollback's, whose old world it left.
+        strategy.finish_change_event(trainer, interrupted=True)
         dropped = drop_model(trainer.lightning_module, strategy.kept_children)
         rollback = Rollback(generation=strategy.generation, from_step=trainer.global_step,
                             reason=f"inconsistent state ({str(error).split(':', 1)[0]})", dead_nodes=[],

@@ -103,7 +103,6 @@ class RendezvousCallback(Callback):
             return
         strategy: Any = trainer.strategy
         self._strategy = strategy
-        strategy.finish_join_event(trainer)
         last_step_wall = time.time()
         # Captured before the step's only collective: a peer dying now leaves the survivors this consistent state.
         boundary_start = time.perf_counter()
@@ -158,10 +157,6 @@ class RendezvousCallback(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # A join at the last step: the new fit restores max_steps and runs no step; still record the event.
-        finish = getattr(trainer.strategy, "finish_join_event", None)
-        if finish is not None:
-            finish(trainer)
         if self.enabled and dist.is_initialized() and trainer.strategy.pending_handoff is None:
             self._hand_over_to_late_joiners(trainer)
 

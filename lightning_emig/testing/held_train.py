@@ -27,6 +27,9 @@ race of two membership events in end-to-end tests, so a test hits it on any mach
   these optimizer steps (at the step boundary, before the membership check) and logs ``test hold: step N``, until
   the test creates ``D/release-N``: the test acts (starts a node, sends a notice, kills a worker) while training is
   known to be at that step, on any machine.
+* ``LIGHTNING_EMIG_TEST_HOLD_RESTARTED_FIT=1`` with ``LIGHTNING_EMIG_TEST_HOLD_DIR=D``: global rank 0 of a fit that
+  torchrun's restart path started waits before its first batch, logging ``test hold: restarted fit waits``, until the
+  test creates ``D/release-restart``: a failure before the restart's first step, on any machine.
 * ``LIGHTNING_EMIG_TEST_DIE_BEFORE_JOIN=F``: a joiner's worker dies (exit 1) as its live join begins — after its
   generation's group formed and the fit set up, before any state moved — if file ``F`` does not exist yet; it creates
   ``F`` first, so the worker its agent restarts joins normally.
@@ -285,6 +288,25 @@ def hold_at_steps(steps: set[int], release_dir: str, timeout_s: float = HOLD_TIM
     RendezvousCallback.on_train_batch_end = held_on_batch_end  # type: ignore[method-assign]
 
 
+ENV_HOLD_RESTARTED_FIT = "LIGHTNING_EMIG_TEST_HOLD_RESTARTED_FIT"
+
+
+def hold_restarted_fit(release_dir: str, timeout_s: float = HOLD_TIMEOUT_S) -> None:
+    """Rank 0 of a restarted fit waits before its first batch until ``release_dir/release-restart`` exists."""
+    from lightning_emig.strategy.rendezvous import RendezvousCallback
+
+    held: list[bool] = []
+
+    def held_on_batch_start(self: Any, trainer: Any, *args: Any, **kwargs: Any) -> None:
+        if trainer.global_rank == 0 and getattr(trainer.strategy, "start_reason", None) is not None and not held:
+            held.append(True)  # the first batch only
+            release = Path(release_dir) / "release-restart"
+            log.warning("test hold: restarted fit waits for %s", release)
+            _wait_for_file(release, timeout_s, "the restarted fit")
+
+    RendezvousCallback.on_train_batch_start = held_on_batch_start  # type: ignore[method-assign]
+
+
 def main() -> None:
     import runpy
 
@@ -310,6 +332,8 @@ def main() -> None:
     corrupt_at = os.environ.get(ENV_CORRUPT_REPLICA_AT_STEP)
     if corrupt_at:
         corrupt_a_replica(int(corrupt_at))
+    if os.environ.get(ENV_HOLD_RESTARTED_FIT) == "1":
+        hold_restarted_fit(os.environ[ENV_HOLD_DIR])
     steps = os.environ.get(ENV_HOLD_AT_STEPS)
     if steps:
         hold_at_steps({int(s) for s in steps.split(",")}, os.environ[ENV_HOLD_DIR])

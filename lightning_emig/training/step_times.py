@@ -10,10 +10,11 @@ rank 0 then (a step trained again after a rollback has a line each time).
 Once the steady steps after an event with downtime are done, rank 0 reports its lost time (see
 :mod:`lightning_emig.training.lost_time`): a console line and ``event/lost_seconds`` to every logger.
 
-After a restart-path resume (see :mod:`lightning_emig.strategy.resume`) it also records, at the first step on
-the new world, one ``restart`` event in ``events.jsonl``: the checkpoint step, the steps rolled back (done on the
-old world after that checkpoint, recomputed now), old and new world and layout, the downtime and its phases
-(``stop_and_start``: last old step to this process's start; ``startup``: start to checkpoint load;
+After a restart-path resume (see :mod:`lightning_emig.strategy.resume`) it also begins, when the fit starts, the
+``restart`` change that the strategy records at the first step on the new world (or, if a failure ends the fit
+before it, at once with no downtime; see :mod:`lightning_emig.change.record`): the checkpoint step, the steps rolled
+back (done on the old world after that checkpoint, recomputed now), old and new world and layout, the downtime and
+its phases (``stop_and_start``: last old step to this process's start; ``startup``: start to checkpoint load;
 ``load``: reading and resharding the checkpoint; ``first_step``: load to the first step's end).
 """
 
@@ -30,7 +31,9 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_emig.change.boundary import at_step_boundary
-from lightning_emig.change.events import ReconfigureEvent, read_events
+from lightning_emig.change.events import read_events
+from lightning_emig.layout import HybridLayout
+from lightning_emig.migration.change import ChangeRecord
 from lightning_emig.strategy.resume import process_start_wall
 from lightning_emig.training.lost_time import STEP_TIMES_FILE, lost_time, recovery_span
 
@@ -76,7 +79,11 @@ class StepTimeRecorder(Callback):
                     # Without a checkpoint the old layout is unknown here: the new one stands in.
                     path="", step=0, old_layout=strategy.layout.as_dict(), old_world=int(self._previous["world"]),
                     load_started=time.time(), load_seconds=0.0, restart_reason=reason,
-                )
+                )  # replaced when a checkpoint is restored (after this hook)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._begin_restart(trainer)
 
     @override
     def on_train_batch_end(
@@ -92,11 +99,6 @@ class StepTimeRecorder(Callback):
             record["loss"] = loss
         with (self.run_dir / STEP_TIMES_FILE).open("a") as f:
             f.write(json.dumps(record) + "\n")
-        resumed = getattr(strategy, "resumed_from", None)
-        if resumed is not None:
-            strategy.resumed_from = None
-            if resumed.restart_reason is not None and self._previous is not None:
-                strategy.record_event(trainer, self._restart_event(strategy, resumed, now))
         self._report_lost_time(trainer, strategy)
 
     def _report_lost_time(self, trainer: pl.Trainer, strategy: Any) -> None:
@@ -125,28 +127,42 @@ class StepTimeRecorder(Callback):
                 logger.log_metrics({"event/lost_seconds": lost.lost_seconds,
                                     "event/recovery_seconds": lost.recovery_seconds}, step=trainer.global_step)
 
-    def _restart_event(self, strategy: Any, resumed: Any, now: float) -> ReconfigureEvent:
-        previous = self._previous
-        assert previous is not None
+    def _begin_restart(self, trainer: pl.Trainer) -> None:
+        strategy: Any = trainer.strategy
+        # Alike on every rank: the first fit of a worker group that torchrun's restart path started.
+        if getattr(strategy, "start_reason", None) is None or not hasattr(strategy, "begin_restart_event"):
+            return
+        restart = self._restart(strategy) if trainer.global_rank == 0 else None
+        # Every rank holds the event until the first step: a failure before it leaves a survivor to record it.
+        restart = strategy.broadcast(restart)
+        strategy.resumed_from = None  # used: a later fit of this process is no restart
+        if restart is not None:
+            record, last_step_wall, in_place_wall = restart
+            strategy.begin_restart_event(record, last_step_wall=last_step_wall, in_place_wall=in_place_wall)
+
+    def _restart(self, strategy: Any) -> tuple[ChangeRecord, float, float] | None:
+        """Rank 0: the ``restart`` change this fit resumed with, the wall time of the last step before it and of the
+        state in place; None if it resumed nothing or nothing was trained before."""
+        resumed, previous = strategy.resumed_from, self._previous
+        if resumed is None or resumed.restart_reason is None or previous is None:
+            return None
         started = process_start_wall()
+        in_place_wall = resumed.load_started + resumed.load_seconds
         seconds = {
             "stop_and_start": started - previous["time"],
             "startup": resumed.load_started - started,
             "load": resumed.load_seconds,
-            "first_step": now - (resumed.load_started + resumed.load_seconds),
         }
         rolled_back = int(previous["step"]) - resumed.step
-        log.warning(
-            "RESTART: first step on world %d done %.2fs after the last step on world %d; %d step(s) after the "
-            "step-%d checkpoint are being recomputed", strategy.world_size, now - previous["time"],
-            previous["world"], rolled_back, resumed.step,
-        )
+        log.warning("RESTART: resumed on world %d from the step-%d checkpoint %.2fs after the last step on world %d; "
+                    "%d step(s) after it are being recomputed", strategy.world_size, resumed.step,
+                    in_place_wall - previous["time"], previous["world"], rolled_back)
         old_world, old_layout = resumed.old_world, resumed.old_layout
         recorded = read_events(self.run_dir)
         if recorded:  # the world that held the state last is the one the last change left (e.g. a failure's)
             old_world, old_layout = recorded[-1]["new_world"], recorded[-1]["new_layout"]
-        return ReconfigureEvent(
-            kind="restart", step=resumed.step, old_layout=old_layout, new_layout=strategy.layout.as_dict(),
-            old_world=old_world, new_world=strategy.world_size, seconds=seconds,
-            generation=strategy.generation, downtime_seconds=now - previous["time"], steps_rolled_back=rolled_back,
+        record = ChangeRecord(
+            kind="restart", step=resumed.step, old_layout=HybridLayout(**old_layout), new_layout=strategy.layout,
+            old_world=old_world, new_world=strategy.world_size, seconds=seconds, steps_rolled_back=rolled_back,
         )
+        return record, float(previous["time"]), in_place_wall
