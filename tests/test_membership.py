@@ -33,7 +33,11 @@ from lightning_emig.testing.commands import (
     is_alive,
 )
 from lightning_emig.testing.distributed import free_port
-from lightning_emig.testing.held_train import ENV_HOLD_STEPS_FOR_JOINERS
+from lightning_emig.testing.held_train import (
+    ENV_HOLD_STEPS_FOR_JOINERS,
+    ENV_HOLD_TRAINING_FROM_STEP,
+    ENV_HOLD_TRAINING_UNTIL_GENERATION,
+)
 from lightning_emig.testing.ledger import check_ledger
 from lightning_emig.testing.nodes import (
     assert_agents_succeed,
@@ -87,11 +91,17 @@ def test_generation_env_describes_the_new_world_to_lightning() -> None:
 # --- two simulated nodes ---------------------------------------------------------------------------
 
 
+JOINED_FROM_STEP = 25
+"""A alone waits, from this step on, in its membership check for generation 1 and B's worker: on a slow machine B
+(its start-up and rendezvous once outlasted 150 tiny steps) could otherwise miss the short run."""
+
+
 def _start_node(tmp_path: Path, name: str, local_addr: str, port: int, run_dir: Path) -> subprocess.Popen:
-    # A waits for B's worker once it sees generation 1: on a slow machine B could otherwise miss the short run.
     return start_node(tmp_path, name, local_addr=local_addr, port=port, run_dir=run_dir,
                       train_args=[*TRAIN, "trainer.checkpoint_every_n_steps=10", "data.ledger=true"],
-                      module="lightning_emig.testing.held_train", env={ENV_HOLD_STEPS_FOR_JOINERS: "1"})
+                      module="lightning_emig.testing.held_train",
+                      env={ENV_HOLD_STEPS_FOR_JOINERS: "1", ENV_HOLD_TRAINING_UNTIL_GENERATION: "1",
+                           ENV_HOLD_TRAINING_FROM_STEP: str(JOINED_FROM_STEP)})
 
 
 def _median_ms(seconds: list[float]) -> float:

@@ -22,7 +22,9 @@ race of two membership events in end-to-end tests, so a test hits it on any mach
   membership check and before their workers exit, on any machine.
 * ``LIGHTNING_EMIG_TEST_HOLD_TRAINING_UNTIL_GENERATION=N``: while the world is one process and runs in a generation
   before ``N``, rank 0's membership check waits until generation ``N`` is published and its joining workers are ready
-  (a short run cannot end before a sequence of rounds has played out).
+  (a short run cannot end before a sequence of rounds has played out); with
+  ``LIGHTNING_EMIG_TEST_HOLD_TRAINING_FROM_STEP=S``, only from step ``S`` on (a joiner arrives mid-run, on any machine;
+  the wait is part of the membership check, inside the change's downtime, not the step before it).
 * ``LIGHTNING_EMIG_TEST_HOLD_AT_STEPS=20,60`` with ``LIGHTNING_EMIG_TEST_HOLD_DIR=D``: global rank 0 stops at each of
   these optimizer steps (at the step boundary, before the membership check) and logs ``test hold: step N``, until
   the test creates ``D/release-N``: the test acts (starts a node, sends a notice, kills a worker) while training is
@@ -60,6 +62,7 @@ ENV_HOLD_STEPS_FOR_JOINERS = "LIGHTNING_EMIG_TEST_HOLD_STEPS_FOR_JOINERS"
 ENV_HOLD_ADMISSION_UNTIL_GENERATION = "LIGHTNING_EMIG_TEST_HOLD_ADMISSION_UNTIL_GENERATION"
 ENV_HOLD_BEFORE_DONE = "LIGHTNING_EMIG_TEST_HOLD_BEFORE_DONE"
 ENV_HOLD_TRAINING_UNTIL_GENERATION = "LIGHTNING_EMIG_TEST_HOLD_TRAINING_UNTIL_GENERATION"
+ENV_HOLD_TRAINING_FROM_STEP = "LIGHTNING_EMIG_TEST_HOLD_TRAINING_FROM_STEP"
 HOLD_TIMEOUT_S = 120.0
 
 log = logging.getLogger(__name__)
@@ -189,8 +192,9 @@ def hold_steps_for_joiners(timeout_s: float = HOLD_TIMEOUT_S) -> None:
     RendezvousCallback._newest_ready = held_newest_ready  # type: ignore[method-assign]  # noqa: SLF001
 
 
-def hold_training_until(generation: int, timeout_s: float = HOLD_TIMEOUT_S) -> None:
-    """In a world of one process, rank 0's poll waits until ``generation`` is published and its joiners are ready."""
+def hold_training_until(generation: int, from_step: int = 0, timeout_s: float = HOLD_TIMEOUT_S) -> None:
+    """In a world of one process, rank 0's poll (from ``from_step`` on) waits until ``generation`` is published and its
+    joiners are ready."""
     import torch.distributed as dist
 
     from lightning_emig.strategy.rendezvous import RendezvousCallback
@@ -198,7 +202,8 @@ def hold_training_until(generation: int, timeout_s: float = HOLD_TIMEOUT_S) -> N
     newest_ready = RendezvousCallback._newest_ready  # noqa: SLF001 - the seam this hold pins
 
     def held_newest_ready(self: Any, current: int, now: float) -> int:
-        if current < generation and dist.get_world_size() == 1:
+        step = self._strategy.lightning_module.trainer.global_step
+        if current < generation and dist.get_world_size() == 1 and step >= from_step:
             _wait_for_generation("training", generation - 1, timeout_s, joiners_of=current)
         return newest_ready(self, current, now)
 
@@ -320,7 +325,7 @@ def main() -> None:
         hold_before_done(os.environ[ENV_HOLD_BEFORE_DONE])
     training_until = os.environ.get(ENV_HOLD_TRAINING_UNTIL_GENERATION)
     if training_until:
-        hold_training_until(int(training_until))
+        hold_training_until(int(training_until), int(os.environ.get(ENV_HOLD_TRAINING_FROM_STEP, "0")))
     if os.environ.get(ENV_HOLD_STEPS_FOR_JOINERS) == "1":
         hold_steps_for_joiners()
     hold_exit = os.environ.get(ENV_HOLD_LEAVING_EXIT) == "1"
