@@ -51,7 +51,8 @@ def read_step_times(run_dir: Path) -> list[dict[str, Any]]:
 
 
 class StepTimeRecorder(Callback):
-    """Rank 0 writes each optimizer step's end time; after a restart-path resume, the ``restart`` event."""
+    """Rank 0 writes each optimizer step's end time; after a restart-path resume, every rank begins the ``restart``
+    change (recorded by the strategy at the first step)."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
