@@ -45,6 +45,7 @@ import pytest
 
 from lightning_emig.change.events import read_events
 from lightning_emig.strategy.resume import is_complete
+from lightning_emig.strategy.step_times import read_step_times
 from lightning_emig.testing.commands import descendants, is_alive
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.held_train import (
@@ -66,7 +67,6 @@ from lightning_emig.testing.nodes import (
     wait_for,
     worst_loss_gap,
 )
-from lightning_emig.training.step_times import read_step_times
 
 TIMED_STEPS = 200
 """A run whose events follow a node's start-up, not a hold: training must outlast it on a slow machine."""

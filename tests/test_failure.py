@@ -183,8 +183,8 @@ def test_a_node_with_no_restart_left_leaves_the_job_open_for_a_new_node(tmp_path
     """B runs with ``--max-restarts=0``; its worker gets SIGKILL. B's agent marks the node dead and exits non-zero
     without closing the rendezvous (torchrun's way out would close it for good); A rebuilds from its replica and
     trains on; node C then joins the ``--nnodes=1:2`` job in B's place, live."""
+    from lightning_emig.strategy.step_times import read_step_times
     from lightning_emig.testing.held_train import ENV_HOLD_STEPS_FOR_JOINERS
-    from lightning_emig.training.step_times import read_step_times
 
     start_reference(tmp_path, TRAIN)
     port = free_port()
@@ -231,7 +231,7 @@ def test_a_node_with_no_restart_left_leaves_the_job_open_for_a_new_node(tmp_path
 def test_below_the_minimum_the_survivor_waits_with_its_state_for_a_joiner(tmp_path: Path) -> None:
     """``--nnodes=2:3``: node B is killed whole, A alone is below MIN. A keeps its state in memory and trains no step
     until node C (127.0.0.4) joins; then A hands its state to the world A + C and the job finishes there."""
-    from lightning_emig.training.step_times import read_step_times
+    from lightning_emig.strategy.step_times import read_step_times
 
     start_reference(tmp_path, TRAIN)
     port = free_port()
@@ -452,8 +452,8 @@ def test_when_every_holder_of_the_live_state_is_gone_the_next_generation_resumes
     before that restart's first step: A and B roll back to the checkpoint again and finish on the uninterrupted run's
     loss curve (steps 10 and 11, trained twice, both times). The restart happened all the same: its event (no
     downtime: no step on its world) comes before the failure's, whose old world it left."""
+    from lightning_emig.strategy.step_times import read_step_times
     from lightning_emig.testing.nodes import reference_losses
-    from lightning_emig.training.step_times import read_step_times
 
     steps, layout = 30, ["layout=hsdp", "elastic.heartbeat_timeout_s=5", "elastic.heartbeat_interval_s=0.5"]
     start_reference(tmp_path, _args(steps, []))
@@ -512,9 +512,9 @@ def test_a_lone_survivor_below_min_that_gets_a_notice_saves_the_state_and_leaves
     waits for a joiner with the live state. A then gets a notice: it stops waiting, trains on to the next step
     boundary (13), finds nobody to hand the state to, saves it there and leaves with exit 0 — not when its grace
     period runs out, with the state lost. C and D start later and resume from step 13: no step lost."""
+    from lightning_emig.strategy.step_times import read_step_times
     from lightning_emig.testing.etcd import etcd_server, has_etcd
     from lightning_emig.testing.nodes import reference_losses
-    from lightning_emig.training.step_times import read_step_times
 
     if not has_etcd():
         pytest.skip("needs the etcd extra: pip install '.[etcd]'")

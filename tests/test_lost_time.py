@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_emig.training.lost_time import STEADY_STEPS, events_with_lost_time, lost_time
+from lightning_emig.change.lost_time import STEADY_STEPS, events_with_lost_time, lost_time
 
 
 def _steps(start_step: int, start_time: float, count: int, step_s: float, world: int) -> list[dict]:
@@ -54,6 +54,24 @@ def test_a_step_slowed_by_a_background_checkpoint_is_not_the_steady_step() -> No
     lost = lost_time(_event("join", 10, 1, 2, time=10.21, downtime=1.2), times)
     assert lost is not None and lost.steady_step_seconds == pytest.approx(0.5)
     assert lost.lost_seconds == pytest.approx(0.7)
+
+
+def test_the_lost_time_splits_into_the_training_threads_work_and_its_waiting() -> None:
+    # steady steps of 0.5 s, 0.4 s of CPU each; the change and its first step beyond: 1.2 s, 0.6 s of CPU (the pause
+    # waited 0.5 s for the wire, the rest was work). The steady step the lost time subtracts is the fastest (step 13).
+    cpu = [1.0, 1.6, 2.0, 2.4, 2.9]
+    times = [{**t, "cpu": c} for t, c in zip([{"step": 10, "time": 9.0, "world": 1, "pid": 1}]
+                                             + [{"step": 11 + i, "time": t, "world": 2, "pid": 1}
+                                                for i, t in enumerate((10.2, 10.8, 11.3, 11.9))], cpu, strict=True)]
+    lost = lost_time(_event("join", 10, 1, 2, time=10.21, downtime=1.2), times)
+    assert lost is not None and lost.steady_step_seconds == pytest.approx(0.5)
+    assert lost.lost_seconds == pytest.approx(0.7)
+    assert lost.lost_cpu_seconds == pytest.approx(0.6 - 0.4)
+    # Lines of another process (the restart path's new rank 0), or without CPU seconds: no split.
+    other = [{**t, "pid": 2} if t["step"] > 10 else t for t in times]
+    assert lost_time(_event("join", 10, 1, 2, time=10.21, downtime=1.2), other).lost_cpu_seconds is None
+    bare = [{k: v for k, v in t.items() if k != "cpu"} for t in times]
+    assert lost_time(_event("join", 10, 1, 2, time=10.21, downtime=1.2), bare).lost_cpu_seconds is None
 
 
 def test_the_restart_path_loses_the_steps_it_recomputes() -> None:

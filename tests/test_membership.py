@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from lightning_emig.change.events import read_events
+from lightning_emig.change.lost_time import STEADY_STEPS, events_with_lost_time
 from lightning_emig.launcher.generation import GenerationInfo, NodeEntry
 from lightning_emig.layout import HybridLayout
 from lightning_emig.membership import generation_env, layout_for_new_world
@@ -48,7 +49,6 @@ from lightning_emig.testing.nodes import (
 )
 from lightning_emig.testing.nodes import log_tail as _log
 from lightning_emig.testing.nodes import wait_for as _wait_for
-from lightning_emig.training.lost_time import STEADY_STEPS, events_with_lost_time
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_STEPS = 150

@@ -33,8 +33,10 @@ import pytest
 import torch
 
 from lightning_emig.change.events import read_events
+from lightning_emig.change.lost_time import events_with_lost_time
 from lightning_emig.examples.gpt import GPT, CountingSequences, GPTConfig
 from lightning_emig.strategy.resume import is_complete
+from lightning_emig.strategy.step_times import read_step_times
 from lightning_emig.testing.commands import (
     descendants,
     is_alive,
@@ -132,6 +134,12 @@ def _check_run(tmp_path: Path, reference: Future[dict[str, float]], a_workers: l
     callbacks = [json.loads(path.read_text()) for path in sorted((run_dir / "callbacks").glob("*.json"))]
     assert callbacks and all(state == callbacks[0] for state in callbacks), callbacks
     assert callbacks[0]["steps"] == MAX_STEPS, callbacks
+    # The strategy records the script's step times in its default_root_dir, as train.py's run directory: every step
+    # trained has its line, and every event with steps after it gets its lost time.
+    assert {r["step"] for r in read_step_times(run_dir)} == set(range(1, MAX_STEPS + 1))
+    timed = [e for e in events_with_lost_time(run_dir)
+             if e.get("downtime_seconds") is not None and e["step"] <= MAX_STEPS - 2]
+    assert timed and all(e.get("lost_seconds") is not None for e in timed), timed
     return {"summary": summary, "callback_states": len(callbacks), "ledger": ledger, "worst": worst, "events": read_events(run_dir)}
 
 
@@ -360,4 +368,8 @@ def test_when_every_node_is_preempted_the_state_is_saved_and_a_later_node_resume
         stop_agents(agents)
     assert "nobody to hand the live state to; saving it" in _log(tmp_path, "a", 10**6) + _log(tmp_path, "b", 10**6)
     assert "resuming from the newest complete checkpoint" in _log(tmp_path, "c", 10**6)
+    # The script's own run records the restart path's event too (the strategy's step times begin it): from the
+    # step-25 checkpoint, nothing recomputed.
+    restarts = [e for e in read_events(tmp_path / "run") if e["kind"] == "restart"]
+    assert [(e["step"], e["steps_rolled_back"], e["new_world"]) for e in restarts] == [(25, 0, 1)], restarts
     _check_run(tmp_path, reference, c_workers, since=25)  # C's process trained steps 25.. on the same curve

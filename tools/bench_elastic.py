@@ -24,10 +24,13 @@ steady-state cost). Each record (:func:`lightning_emig.testing.join_downtime.eve
 
 * ``lost_seconds``, the headline: last optimizer step finished on the old world to the first step *beyond it*
   finished on the new one, minus one steady step on the new world (the fastest of the next up to three;
-  :mod:`lightning_emig.training.lost_time`). The restart path's recomputed ``steps_rolled_back`` count as lost;
+  :mod:`lightning_emig.change.lost_time`). The restart path's recomputed ``steps_rolled_back`` count as lost;
 * ``downtime_seconds``: last step on the old world to first step finished on the new one (from the event;
   ``downtime_from_step_times`` is the same span read from ``step_times.jsonl``, a cross-check);
 * ``recovery_seconds``: lost time plus the steady step; ``phases``: the event's per-phase seconds;
+* ``lost_cpu_seconds``: of the lost time, rank 0's training thread's work (its CPU seconds over the change and the
+  first step beyond, less the steady step's); the rest it waited (the wire, its peers, a core). None on the restart
+  path (another process);
 * ``first_step_excess_seconds``: the event's ``first_step`` phase minus the steady step (how much of the lost time
   the first step on the new world added; None on the restart path, whose first step is recomputed): the gap to
   "pause = wire time" is ``lost_seconds`` against ``phases["transfer"]`` and this, read from one record;
@@ -122,9 +125,10 @@ def main() -> None:
                     record["round"] = round_index
                     records.append(record)
                     print(f"{model:10s} {event:8s} {path:8s} round {round_index}: lost {_seconds(record['lost_seconds'])} "
-                          f"(downtime {record['downtime_seconds']:.2f}s, steady step "
-                          f"{_seconds(record['step_seconds_new'])}, first step's excess "
-                          f"{_seconds(record['first_step_excess_seconds'])}, rolled back {record['steps_rolled_back']}) "
+                          f"(rank 0 working {_seconds(record['lost_cpu_seconds'])} of it, downtime "
+                          f"{record['downtime_seconds']:.2f}s, steady step {_seconds(record['step_seconds_new'])}, first "
+                          f"step's excess {_seconds(record['first_step_excess_seconds'])}, rolled back "
+                          f"{record['steps_rolled_back']}) "
                           f"phases " + ", ".join(f"{k} {v:.2f}" for k, v in record["phases"].items()), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()}, "records": records},
@@ -146,7 +150,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         med = {
             path: {key: _median([r[key] for r in same if r["path"] == path])
                    for key in ("lost_seconds", "downtime_seconds", "step_seconds_new", "step_seconds_old",
-                               "step_seconds_preparing", "first_step_excess_seconds")}
+                               "step_seconds_preparing", "first_step_excess_seconds", "lost_cpu_seconds")}
             for path in PATHS
         }
         key = model if event == "join" else f"{model}/{event}"

@@ -33,9 +33,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from lightning_emig.change.lost_time import STEP_TIMES_FILE  # noqa: E402
 from lightning_emig.testing.distributed import run_distributed  # noqa: E402
 from lightning_emig.testing.runs import fit, tiny_config, with_schedule  # noqa: E402
-from lightning_emig.training.lost_time import STEP_TIMES_FILE  # noqa: E402
 
 WAYS = {"built": 0, "prepared": None}
 """``elastic.prepare_ahead_steps`` per way (None: ``--ahead``)."""

@@ -21,6 +21,7 @@ from typing import Any
 
 from rich.console import Console
 
+from lightning_emig.change.lost_time import events_with_lost_time
 from lightning_emig.demo.report import (
     demo_record,
     forced_kills,
@@ -30,10 +31,9 @@ from lightning_emig.demo.report import (
     write_plot,
 )
 from lightning_emig.demo.scenario import DemoFailed, DemoNodes, DemoSettings, run_scenario
+from lightning_emig.strategy.step_times import read_step_times
 from lightning_emig.testing.join_downtime import measure_join
 from lightning_emig.testing.nodes import log_tail
-from lightning_emig.training.lost_time import events_with_lost_time
-from lightning_emig.training.step_times import read_step_times
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

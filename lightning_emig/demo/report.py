@@ -1,7 +1,7 @@
 """What the elastic demo shows: table rows, the loss plot and ``demo.json``, from the run's records (pure).
 
 Inputs are the records the run leaves behind (see :mod:`lightning_emig.change.events` and
-:mod:`lightning_emig.training.step_times`): event dicts as in ``events.jsonl``, per-step losses from
+:mod:`lightning_emig.strategy.step_times`): event dicts as in ``events.jsonl``, per-step losses from
 ``summary.json`` and ``(step, world)`` pairs from ``step_times.jsonl``; the restart path's join is a record of
 :func:`lightning_emig.testing.join_downtime.join_record`. Nothing here starts a process or reads a run directory
 except :func:`load_losses`, so every function is tested on synthetic records.

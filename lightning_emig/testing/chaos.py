@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from lightning_emig.strategy.step_times import read_step_times
 from lightning_emig.testing.commands import descendants, is_alive, kill_tree
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.nodes import log_tail, start_node
-from lightning_emig.training.step_times import read_step_times
 
 Kind = Literal["join", "preempt", "kill_worker", "kill_node"]
 Backend = Literal["c10d", "etcd"]

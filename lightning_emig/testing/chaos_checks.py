@@ -19,10 +19,10 @@ from typing import Any
 
 from lightning_emig.change.events import read_events
 from lightning_emig.strategy.resume import is_complete
+from lightning_emig.strategy.step_times import read_step_times
 from lightning_emig.testing.chaos import HOST, ChaosRun, Played
 from lightning_emig.testing.ledger import LedgerReport, check_ledger
 from lightning_emig.testing.nodes import log_tail, reference_losses
-from lightning_emig.training.step_times import read_step_times
 
 LOSS_REL_TOL = 1e-4
 """Documented tolerance of an elastic run's loss against the uninterrupted run (relative, per step)."""

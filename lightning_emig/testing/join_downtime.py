@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from lightning_emig.change.events import read_events
+from lightning_emig.change.lost_time import lost_time, recovery_span
 from lightning_emig.strategy.resume import newest_checkpoint
+from lightning_emig.strategy.step_times import read_step_times
 from lightning_emig.testing.commands import kill_tree
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.nodes import log_tail, start_node, wait_for
-from lightning_emig.training.lost_time import lost_time, recovery_span
-from lightning_emig.training.step_times import read_step_times
 
 PATHS: dict[str, dict[str, str]] = {"live": {}, "restart": {"LIGHTNING_EMIG_LIVE_MEMBERSHIP": "0"}}
 """Agent environment of each path."""
@@ -131,6 +131,7 @@ def event_record(run_dir: Path, name: str, path: str, event: dict[str, Any], *, 
         "recovery_seconds": run[0]["time"] - last_old["time"],
         "phases": event["seconds"],
         "first_step_excess_seconds": lost.first_step_excess_seconds if lost is not None else None,
+        "lost_cpu_seconds": lost.lost_cpu_seconds if lost is not None else None,
         "bytes_moved": event["bytes_moved"],
         "step_seconds_old": median_step_seconds(before),
         "step_seconds_preparing": median_step_seconds(preparing),

@@ -34,7 +34,6 @@ from lightning_emig.strategy.schedule import LayoutSchedule
 from lightning_emig.training.csv_log import ContinuedCSVLogger
 from lightning_emig.training.module import LlamaLightningModule
 from lightning_emig.training.optim import OptimConfig
-from lightning_emig.training.step_times import StepTimeRecorder
 
 
 @dataclass(slots=True)
@@ -175,7 +174,7 @@ def build_run(cfg: TrainConfig, run_dir: Path) -> RunParts:
 
 
 def _callbacks(cfg: TrainConfig, checkpoint: HandoffAwareCheckpoint, run_dir: Path) -> list[Any]:
-    callbacks: list[Any] = [checkpoint, StepTimeRecorder(run_dir)]
+    callbacks: list[Any] = [checkpoint]  # the strategy adds the step times of run_dir (its default_root_dir)
     if cfg.trainer.progress_bar:
         callbacks.append(StepProgressBar())
     schedule = build_schedule(cfg)

@@ -1,14 +1,17 @@
 """Wall-clock time of every optimizer step, and the ``restart`` event of the restart path.
 
 :class:`StepTimeRecorder` (global rank 0) appends one JSON line per optimizer step to ``<run_dir>/step_times.jsonl``:
-``{"step": steps completed, "time": time.time(), "world": world size, "pid": process id, "loss": that step's loss}``
-(``loss`` where the module keeps ``step_losses``, as ours do). The file outlives processes, so it spans every
-generation and every restart of a job: downtime of any membership change is "last line of the old world" to "first
-line of the new one", whichever path the change took, and the loss of every step trained, whichever process was
-rank 0 then (a step trained again after a rollback has a line each time).
+``{"step": steps completed, "time": time.time(), "world": world size, "pid": process id, "cpu": time.thread_time(),
+"loss": that step's loss}`` (``cpu``: the CPU seconds of the thread that runs Lightning's loop, so that a change's
+lost time splits into that thread's work and its waiting; ``loss`` where the module keeps ``step_losses``, as ours
+do). The strategy installs it for every fit, in the Trainer's ``default_root_dir`` (the directory its events go
+to). The file outlives processes, so it spans every generation and every restart of a job: downtime of any
+membership change is "last line of the old world" to "first line of the new one", whichever path the change took,
+and the loss of every step trained, whichever process was rank 0 then (a step trained again after a rollback has a
+line each time).
 
 Once the steady steps after an event with downtime are done, rank 0 reports its lost time (see
-:mod:`lightning_emig.training.lost_time`): a console line and ``event/lost_seconds`` to every logger.
+:mod:`lightning_emig.change.lost_time`): a console line and ``event/lost_seconds`` to every logger.
 
 After a restart-path resume (see :mod:`lightning_emig.strategy.resume`) it also begins, when the fit starts, the
 ``restart`` change that the strategy records at the first step on the new world (or, if a failure ends the fit
@@ -32,10 +35,10 @@ from typing_extensions import override
 
 from lightning_emig.change.boundary import at_step_boundary
 from lightning_emig.change.events import read_events
+from lightning_emig.change.lost_time import STEP_TIMES_FILE, lost_time, recovery_span
 from lightning_emig.layout import HybridLayout
 from lightning_emig.migration.change import ChangeRecord
 from lightning_emig.strategy.resume import process_start_wall
-from lightning_emig.training.lost_time import STEP_TIMES_FILE, lost_time, recovery_span
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -61,6 +64,7 @@ class StepTimeRecorder(Callback):
         """Events of this process's strategy already looked at for their lost time."""
         self._awaiting: list[dict[str, Any]] = []
         """Published events (lines of ``events.jsonl``) whose lost time is not known yet."""
+        self._write_failed = False
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -94,13 +98,27 @@ class StepTimeRecorder(Callback):
             return
         now = time.time()
         strategy: Any = trainer.strategy
-        record = {"step": trainer.global_step, "time": now, "world": strategy.world_size, "pid": os.getpid()}
+        record = {"step": trainer.global_step, "time": now, "world": strategy.world_size, "pid": os.getpid(),
+                  "cpu": time.thread_time()}
         loss = getattr(pl_module, "step_losses", {}).get(trainer.global_step - 1)  # the step that just ended
         if loss is not None:
             record["loss"] = loss
-        with (self.run_dir / STEP_TIMES_FILE).open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        self._report_lost_time(trainer, strategy)
+        if self._append(record):
+            self._report_lost_time(trainer, strategy)
+
+    def _append(self, record: dict[str, Any]) -> bool:
+        """Append ``record``; a line that cannot be written is never worth a failed run (logged once)."""
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)  # Lightning creates default_root_dir only to write in it
+            with (self.run_dir / STEP_TIMES_FILE).open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError:
+            if not self._write_failed:
+                log.exception("could not append to %s: no lost time is reported for this run; training goes on",
+                              self.run_dir / STEP_TIMES_FILE)
+            self._write_failed = True
+            return False
+        return True
 
     def _report_lost_time(self, trainer: pl.Trainer, strategy: Any) -> None:
         events = getattr(strategy, "events", [])

@@ -27,8 +27,9 @@ STEP_TIMES_FILE = "step_times.jsonl"
 #: (measured at ``llama_125m`` on 2 cores: 6.7 s steps became 9.5-10.2 s) and a slowed "steady" step would hide
 #: lost time (a negative figure, once). The fastest makes the figure, if anything, too high.
 STEADY_STEPS = 3
-#: The event's downtime is counted from the moment the old world's last step ended; that step's line in
-#: ``step_times.jsonl`` is written a few milliseconds later (the boundary's checks come first).
+#: The event's downtime is counted from the moment the old world's last step ended, as the rendezvous callback saw
+#: it; that step's line in ``step_times.jsonl`` is written just before (the step times are the strategy's first
+#: callback), or later by what the script's own callbacks before them do at the step's end.
 _LINE_LAG_S = 0.25
 
 
@@ -46,6 +47,11 @@ class LostTime:
     """How much slower the first step on the new world ran than a steady one (the event's ``first_step`` phase minus
     ``steady_step_seconds``): the part of the lost time spent after the pause, in a step that found something cold.
     None where the event has no ``first_step`` phase (the restart path's first step is a recomputed one)."""
+    lost_cpu_seconds: float | None = None
+    """Of ``lost_seconds``, how much rank 0's training thread spent working (the CPU seconds from the old world's last
+    step to the first step beyond, less those of the steady step): building, copying, caches met cold, the first
+    step's own extra work. The rest it waited: for the wire, its peers or a core. None where those lines come from
+    different processes (the restart path) or carry no ``cpu``."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -66,12 +72,23 @@ def lost_time(event: dict[str, Any], times: list[dict[str, Any]], *, steady_step
     gaps = [b["time"] - a["time"] for a, b in zip(run, run[1:], strict=False)][:steady_steps]
     if not gaps or (len(gaps) < steady_steps and not partial):
         return None
-    steady = min(gaps)
+    fastest = min(range(len(gaps)), key=gaps.__getitem__)
+    steady = gaps[fastest]
     recovery = run[0]["time"] - last_old["time"]
     first_step = (event.get("seconds") or {}).get("first_step")
     return LostTime(lost_seconds=recovery - steady, recovery_seconds=recovery, steady_step_seconds=steady,
                     steady_steps=len(gaps), last_old_step=int(last_old["step"]),
-                    first_step_excess_seconds=first_step - steady if first_step is not None else None)
+                    first_step_excess_seconds=first_step - steady if first_step is not None else None,
+                    lost_cpu_seconds=_lost_cpu(last_old, run, fastest))
+
+
+def _lost_cpu(last_old: dict[str, Any], run: list[dict[str, Any]], fastest: int) -> float | None:
+    """The training thread's CPU seconds to the first step beyond less those of the steady step (``run[fastest]`` to
+    the line after it), where one process wrote all of those lines."""
+    lines = [last_old, run[0], run[fastest], run[fastest + 1]]
+    if any("cpu" not in line for line in lines) or len({line["pid"] for line in lines}) != 1:
+        return None
+    return (run[0]["cpu"] - last_old["cpu"]) - (run[fastest + 1]["cpu"] - run[fastest]["cpu"])
 
 
 def recovery_span(event: dict[str, Any], times: list[dict[str, Any]]
