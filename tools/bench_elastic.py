@@ -29,10 +29,10 @@ steady-state cost). Each record (:func:`lightning_emig.testing.join_downtime.eve
   ``downtime_from_step_times`` is the same span read from ``step_times.jsonl``, a cross-check);
 * ``recovery_seconds``: lost time plus the steady step; ``phases``: the event's per-phase seconds;
 * ``lost_cpu_seconds``: of the lost time, rank 0's training thread's work (its CPU seconds over the change and the
-  first step beyond, less the steady step's); the rest it waited (the wire, its peers, a core). None on the restart
-  path (another process);
+  first step beyond, less the steady step's); the rest it waited (the wire, its peers, a core). None where another
+  process took over rank 0 (torchrun restarted the workers);
 * ``first_step_excess_seconds``: the event's ``first_step`` phase minus the steady step (how much of the lost time
-  the first step on the new world added; None on the restart path, whose first step is recomputed): the gap to
+  the first step on the new world added; on the restart path, the restarted process's first, recomputed step): the gap to
   "pause = wire time" is ``lost_seconds`` against ``phases["transfer"]`` and this, read from one record;
 * ``step_seconds_old`` / ``step_seconds_new``: median step time before and after (steady state); for a join,
   ``step_seconds_old`` ends when the joining node starts and ``step_seconds_preparing`` is the old world's median

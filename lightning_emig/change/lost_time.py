@@ -46,7 +46,8 @@ class LostTime:
     first_step_excess_seconds: float | None = None
     """How much slower the first step on the new world ran than a steady one (the event's ``first_step`` phase minus
     ``steady_step_seconds``): the part of the lost time spent after the pause, in a step that found something cold.
-    None where the event has no ``first_step`` phase (the restart path's first step is a recomputed one)."""
+    None where the event has no ``first_step`` phase. On the restart path the first step is the restarted process's
+    first (recomputed) step: its excess is what that process met cold."""
     lost_cpu_seconds: float | None = None
     """Of ``lost_seconds``, how much rank 0's training thread spent working (the CPU seconds from the old world's last
     step to the first step beyond, less those of the steady step): building, copying, caches met cold, the first
