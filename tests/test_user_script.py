@@ -240,6 +240,38 @@ def test_a_replica_that_went_wrong_is_never_trained_on_the_job_rolls_back(tmp_pa
     assert checked["ledger"].rolled_back_steps, checked["ledger"].describe()
 
 
+@pytest.mark.timeout(300)
+def test_a_restore_that_fails_its_proof_is_refused_and_the_job_rolls_back_further(tmp_path: Path,
+                                                                                   reference: Future) -> None:
+    """As above, with checkpoints every 10 steps, and rank 1's replica changed again as the step-20 checkpoint is
+    restored: that restore fails its proof before a step is trained on it. Its rollback happened all the same and is
+    recorded first (no downtime: no step on it); the step-20 checkpoint is never taken again, the job rolls back
+    further, to step 10, and ends as the uninterrupted run, every sample once."""
+    port = free_port()
+    agents: dict[str, subprocess.Popen] = {}
+    try:
+        agents["a"] = _start(tmp_path, "a", "127.0.0.2", port, layout=["--dp-replicate", "2", "--consistency-every",
+                                                                      "5", "--checkpoint-every", "10"],
+                             hosts_store=True, hold_steps="21", processes=2,
+                             test_env={"LIGHTNING_EMIG_TEST_CORRUPT_REPLICA_AT_STEP": "23",
+                                       "LIGHTNING_EMIG_TEST_CORRUPT_RESTORE_AT_STEP": "20"})
+        _held_at(tmp_path, 21, agents)
+        step20 = tmp_path / "run" / "checkpoints" / "step000020.ckpt"
+        wait_for(lambda: is_complete(step20), 60, "the step-20 checkpoint was never completed")
+        a_workers = [p for p in descendants(agents["a"].pid) if is_alive(p)]
+        _release(tmp_path, 21)
+        assert_agents_succeed(tmp_path, agents, 200)
+    finally:
+        stop_agents(agents)
+    log = _log(tmp_path, "a", 1_000_000)
+    assert "as the fit restored step 20" in log and "ROLLED BACK to step 10" in log, log[-3000:]
+    checked = _check_run(tmp_path, reference, a_workers)
+    failures = [(e["step"], e["steps_rolled_back"], e.get("downtime_seconds") is None)
+                for e in checked["events"] if e["kind"] == "failure"]
+    assert failures == [(20, 5, True), (10, 10, False)], checked["events"]
+    assert checked["ledger"].rolled_back_steps, checked["ledger"].describe()
+
+
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("kill", ["worker_with_replicas", "node_without_replicas",
                                   pytest.param("node_before_any_checkpoint", marks=pytest.mark.long)])

@@ -171,14 +171,16 @@ class ConsistencyGuard(Callback):
             return
         in_flight, expected = self._at_start
         self._at_start = None
-        proof = in_flight.result()
-        if expected is not None:
-            try:
+        try:
+            proof = in_flight.result()  # replicas that differ fail here, before any comparison with the saved proof
+            if expected is not None:
                 check_same_state(expected[0], proof, what=expected[1])
-            except InconsistentStateError as error:
-                if trainer.ckpt_path not in (None, LIVE_CHECKPOINT):
-                    error.checkpoint = str(trainer.ckpt_path)
-                raise
+        except InconsistentStateError as error:
+            # Whatever the proof found, the restore of this checkpoint failed it: the rollback never takes it again.
+            if trainer.ckpt_path not in (None, LIVE_CHECKPOINT):
+                error.checkpoint = str(trainer.ckpt_path)
+            raise
+        if expected is not None:
             note = getattr(trainer.strategy, "note_state_proven", None)
             if note is not None:  # the change's event says what was proven
                 note(proof.digest)

@@ -39,6 +39,9 @@ race of two membership events in end-to-end tests, so a test hits it on any mach
 * ``LIGHTNING_EMIG_TEST_CORRUPT_REPLICA_AT_STEP=N``: at step ``N`` (once per process) global rank 1 adds 1 to one
   element of its first trainable parameter, right before the consistency guard's periodic check: a replica that
   silently went wrong.
+* ``LIGHTNING_EMIG_TEST_CORRUPT_RESTORE_AT_STEP=N``: when a fit starts training at step ``N`` (a restore of that
+  step's checkpoint), global rank 1 does the same before the guard proves the restored state: a restore that went
+  wrong.
 * ``LIGHTNING_EMIG_TEST_RUN_MODULE=M``: run module ``M`` (e.g. ``lightning_emig.examples.gpt``) instead of
   ``lightning_emig.train``, with the same holds.
 
@@ -247,8 +250,6 @@ ENV_CORRUPT_REPLICA_AT_STEP = "LIGHTNING_EMIG_TEST_CORRUPT_REPLICA_AT_STEP"
 def corrupt_a_replica(step: int) -> None:
     """Once per process, at ``step``'s boundary, global rank 1 adds 1 to one element of its first parameter: a
     replica that silently went wrong (see the module docstring)."""
-    from torch.distributed.tensor import DTensor
-
     from lightning_emig.change.boundary import at_step_boundary
     from lightning_emig.change.consistency import ConsistencyGuard
 
@@ -258,14 +259,40 @@ def corrupt_a_replica(step: int) -> None:
     def corrupting_on_batch_end(self: Any, trainer: Any, *args: Any, **kwargs: Any) -> None:
         if trainer.global_step == step and trainer.global_rank == 1 and at_step_boundary(trainer) and not done:
             done.append(True)
-            param = next(p for p in trainer.lightning_module.parameters() if p.requires_grad)
-            local = param.to_local() if isinstance(param, DTensor) else param
-            with torch.no_grad():
-                local.view(-1)[0] += 1.0
-            log.warning("test: rank 1 changed one element of its replica at step %d", step)
+            _change_one_element(trainer, f"at step {step}")
         on_batch_end(self, trainer, *args, **kwargs)
 
     ConsistencyGuard.on_train_batch_end = corrupting_on_batch_end  # type: ignore[method-assign]
+
+
+ENV_CORRUPT_RESTORE_AT_STEP = "LIGHTNING_EMIG_TEST_CORRUPT_RESTORE_AT_STEP"
+
+
+def corrupt_a_restore(step: int) -> None:
+    """Once per process, when a fit starts training at ``step``, global rank 1 adds 1 to one element of its first
+    parameter before the guard's proof of the restored state (see the module docstring)."""
+    from lightning_emig.change.consistency import ConsistencyGuard
+
+    on_train_start = ConsistencyGuard.on_train_start
+    done: list[bool] = []
+
+    def corrupting_on_train_start(self: Any, trainer: Any, *args: Any, **kwargs: Any) -> None:
+        if trainer.global_step == step and trainer.global_rank == 1 and not done:
+            done.append(True)
+            _change_one_element(trainer, f"as the fit restored step {step}")
+        on_train_start(self, trainer, *args, **kwargs)
+
+    ConsistencyGuard.on_train_start = corrupting_on_train_start  # type: ignore[method-assign]
+
+
+def _change_one_element(trainer: Any, when: str) -> None:
+    from torch.distributed.tensor import DTensor
+
+    param = next(p for p in trainer.lightning_module.parameters() if p.requires_grad)
+    local = param.to_local() if isinstance(param, DTensor) else param
+    with torch.no_grad():
+        local.view(-1)[0] += 1.0
+    log.warning("test: rank 1 changed one element of its replica %s", when)
 
 
 ENV_HOLD_AT_STEPS = "LIGHTNING_EMIG_TEST_HOLD_AT_STEPS"
@@ -337,6 +364,9 @@ def main() -> None:
     corrupt_at = os.environ.get(ENV_CORRUPT_REPLICA_AT_STEP)
     if corrupt_at:
         corrupt_a_replica(int(corrupt_at))
+    corrupt_restore_at = os.environ.get(ENV_CORRUPT_RESTORE_AT_STEP)
+    if corrupt_restore_at:
+        corrupt_a_restore(int(corrupt_restore_at))
     if os.environ.get(ENV_HOLD_RESTARTED_FIT) == "1":
         hold_restarted_fit(os.environ[ENV_HOLD_DIR])
     steps = os.environ.get(ENV_HOLD_AT_STEPS)
