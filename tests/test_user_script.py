@@ -212,18 +212,18 @@ def _join_then_preempt(tmp_path: Path, reference: Future, *, layout: list[str], 
     return checked
 
 
-@pytest.mark.timeout(300)
-def test_a_replica_that_went_wrong_is_never_trained_on_the_job_rolls_back(tmp_path: Path, reference: Future) -> None:
-    """Two processes, HSDP (two whole replicas); at step 23 rank 1 changes one element of its replica. The guard's
-    check at step 25 (every 5 steps) finds the replicas differ: both ranks roll back to the step-20 checkpoint (whose
-    saved proof the restore matches) and train on; the run ends as the uninterrupted one, every sample once."""
-    port = free_port()
+def _a_replica_goes_wrong_at_step_23(tmp_path: Path, *, checkpoint_every: int,
+                                     test_env: dict[str, str] | None = None) -> tuple[str, list[int]]:
+    """Node A, two processes as HSDP replicas, the guard's check every 5 steps; at step 23 rank 1 changes one element
+    of its replica (with ``test_env``'s other faults). Runs the job to its end once the step-20 checkpoint is
+    complete; returns A's log and its workers."""
     agents: dict[str, subprocess.Popen] = {}
     try:
-        agents["a"] = _start(tmp_path, "a", "127.0.0.2", port, layout=["--dp-replicate", "2", "--consistency-every",
-                                                                      "5", "--checkpoint-every", "20"],
+        agents["a"] = _start(tmp_path, "a", "127.0.0.2", free_port(),
+                             layout=["--dp-replicate", "2", "--consistency-every", "5",
+                                     "--checkpoint-every", str(checkpoint_every)],
                              hosts_store=True, hold_steps="21", processes=2,
-                             test_env={"LIGHTNING_EMIG_TEST_CORRUPT_REPLICA_AT_STEP": "23"})
+                             test_env={"LIGHTNING_EMIG_TEST_CORRUPT_REPLICA_AT_STEP": "23", **(test_env or {})})
         _held_at(tmp_path, 21, agents)
         step20 = tmp_path / "run" / "checkpoints" / "step000020.ckpt"
         wait_for(lambda: is_complete(step20), 60, "the step-20 checkpoint was never completed")
@@ -232,7 +232,15 @@ def test_a_replica_that_went_wrong_is_never_trained_on_the_job_rolls_back(tmp_pa
         assert_agents_succeed(tmp_path, agents, 200)
     finally:
         stop_agents(agents)
-    log = _log(tmp_path, "a", 1_000_000)
+    return _log(tmp_path, "a", 1_000_000), a_workers
+
+
+@pytest.mark.timeout(300)
+def test_a_replica_that_went_wrong_is_never_trained_on_the_job_rolls_back(tmp_path: Path, reference: Future) -> None:
+    """Two processes, HSDP (two whole replicas); at step 23 rank 1 changes one element of its replica. The guard's
+    check at step 25 (every 5 steps) finds the replicas differ: both ranks roll back to the step-20 checkpoint (whose
+    saved proof the restore matches) and train on; the run ends as the uninterrupted one, every sample once."""
+    log, a_workers = _a_replica_goes_wrong_at_step_23(tmp_path, checkpoint_every=20)
     assert "replicas of the training state differ" in log and "ROLLING BACK" in log, log[-3000:]
     checked = _check_run(tmp_path, reference, a_workers)
     failures = [e for e in checked["events"] if e["kind"] == "failure"]
@@ -247,23 +255,8 @@ def test_a_restore_that_fails_its_proof_is_refused_and_the_job_rolls_back_furthe
     restored: that restore fails its proof before a step is trained on it. Its rollback happened all the same and is
     recorded first (no downtime: no step on it); the step-20 checkpoint is never taken again, the job rolls back
     further, to step 10, and ends as the uninterrupted run, every sample once."""
-    port = free_port()
-    agents: dict[str, subprocess.Popen] = {}
-    try:
-        agents["a"] = _start(tmp_path, "a", "127.0.0.2", port, layout=["--dp-replicate", "2", "--consistency-every",
-                                                                      "5", "--checkpoint-every", "10"],
-                             hosts_store=True, hold_steps="21", processes=2,
-                             test_env={"LIGHTNING_EMIG_TEST_CORRUPT_REPLICA_AT_STEP": "23",
-                                       "LIGHTNING_EMIG_TEST_CORRUPT_RESTORE_AT_STEP": "20"})
-        _held_at(tmp_path, 21, agents)
-        step20 = tmp_path / "run" / "checkpoints" / "step000020.ckpt"
-        wait_for(lambda: is_complete(step20), 60, "the step-20 checkpoint was never completed")
-        a_workers = [p for p in descendants(agents["a"].pid) if is_alive(p)]
-        _release(tmp_path, 21)
-        assert_agents_succeed(tmp_path, agents, 200)
-    finally:
-        stop_agents(agents)
-    log = _log(tmp_path, "a", 1_000_000)
+    log, a_workers = _a_replica_goes_wrong_at_step_23(
+        tmp_path, checkpoint_every=10, test_env={"LIGHTNING_EMIG_TEST_CORRUPT_RESTORE_AT_STEP": "20"})
     assert "as the fit restored step 20" in log and "ROLLED BACK to step 10" in log, log[-3000:]
     checked = _check_run(tmp_path, reference, a_workers)
     failures = [(e["step"], e["steps_rolled_back"], e.get("downtime_seconds") is None)

@@ -32,8 +32,8 @@ steady-state cost). Each record (:func:`lightning_emig.testing.join_downtime.eve
   first step beyond, less the steady step's); the rest it waited (the wire, its peers, a core). None where another
   process took over rank 0 (torchrun restarted the workers);
 * ``first_step_excess_seconds``: the event's ``first_step`` phase minus the steady step (how much of the lost time
-  the first step on the new world added; on the restart path, the restarted process's first, recomputed step): the gap to
-  "pause = wire time" is ``lost_seconds`` against ``phases["transfer"]`` and this, read from one record;
+  the first step on the new world added; on the restart path, the restarted process's first, recomputed step): the
+  gap to "pause = wire time" is ``lost_seconds`` against ``phases["transfer"]`` and this, read from one record;
 * ``step_seconds_old`` / ``step_seconds_new``: median step time before and after (steady state); for a join,
   ``step_seconds_old`` ends when the joining node starts and ``step_seconds_preparing`` is the old world's median
   step while the joiner starts and warms its memory (on this host the joiner shares the cores: on separate nodes
