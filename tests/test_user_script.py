@@ -271,11 +271,15 @@ def test_a_restore_that_fails_its_proof_is_refused_and_the_job_rolls_back_furthe
 def test_the_script_survives_a_killed_peer(tmp_path: Path, reference: Future, kill: str) -> None:
     layout = ["--dp-replicate", "2"] if kill == "worker_with_replicas" else []
     kill_at = 8 if kill == "node_before_any_checkpoint" else 25
+    # The worker is killed while A computes step 26's first forward (as a replica, without any collective): A must stop
+    # as B's agent marks B dead, not compute on to its first collective. The nodes are killed with A at a boundary.
+    replicas = kill == "worker_with_replicas"
+    hold = ({"LIGHTNING_EMIG_TEST_HOLD_IN_STEP_AFTER": str(kill_at)}, "5,60") if replicas else ({}, f"5,{kill_at},60")
     port = free_port()
     agents: dict[str, subprocess.Popen] = {}
     try:
         agents["a"] = _start(tmp_path, "a", "127.0.0.2", port, layout=layout, hosts_store=True, max_restarts=1,
-                             hold_steps=f"5,{kill_at},60")
+                             hold_steps=hold[1], test_env=hold[0])
         agents["b"] = _start(tmp_path, "b", "127.0.0.3", port, layout=layout, hosts_store=False, max_restarts=1)
         _held_at(tmp_path, 5, agents)
         wait_for(lambda: "world 2 on 2 node(s)" in _log(tmp_path, "a", 100000), 120, "no world of two")
@@ -289,6 +293,8 @@ def test_the_script_survives_a_killed_peer(tmp_path: Path, reference: Future, ki
         if kill == "worker_with_replicas":
             for pid in b_workers:
                 os.kill(pid, signal.SIGKILL)
+            wait_for(lambda: "death watch: node" in _log(tmp_path, "a", 100000), 60,
+                     f"A's death watch never saw B marked dead:\n{_log(tmp_path, 'a')}\n{_log(tmp_path, 'b')}")
         else:
             kill_tree(agents["b"].pid)
         _release(tmp_path, kill_at)
@@ -311,6 +317,9 @@ def test_the_script_survives_a_killed_peer(tmp_path: Path, reference: Future, ki
         assert kinds == [("failure", 2, 1), ("join", 1, 2)], checked["events"]
         assert checked["callback_states"] == 2, "B's fresh worker, which joined at step 60, wrote no callback state"
         assert failure["steps_rolled_back"] == 0 and failure["step"] == 25
+        noticed = re.search(r"PEER FAILURE in generation \d+ on rank 0: (.*)", (tmp_path / "a.log").read_text())
+        assert noticed and "was marked dead by its agent" in noticed[1], "A computed on to a collective"
+        assert failure["seconds"]["in_flight"] > 0, failure
         assert set(checked["ledger"].rolled_back_steps) <= {25}, checked["ledger"].describe()
     else:
         restored = 20 if kill == "node_without_replicas" else 0

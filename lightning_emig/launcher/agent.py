@@ -70,6 +70,7 @@ from lightning_emig.launcher.control_store import (
 from lightning_emig.launcher.generation import (
     ACTIVE_GENERATION_KEY,
     ENV_AGENT_PID,
+    LAST_DEATH_KEY,
     LEFT_OUT_EXIT_CODE,
     NO_HOLDERS_EXIT_CODE,
     NodeEntry,
@@ -121,8 +122,7 @@ AGENT_HEARTBEAT_S = 1.0
 """How often an agent rewrites its heartbeat (``hb/<node_id>/agent``)."""
 
 class _LeaveJob(Exception):  # noqa: N818 - a way out, not an error
-    """This preempted node has nothing (left) to hand off: its agent leaves the job, exit 0 (see
-    ``MembershipAgent.run``)."""
+    """A preempted node with nothing (left) to hand off: its agent leaves the job, exit 0 (``MembershipAgent.run``)."""
 
 
 def _joiner_exit(result: RunResult) -> int | None:
@@ -220,6 +220,7 @@ class MembershipAgent(LocalElasticAgent):
             self._control.delete_key(ready_key(self.node_id, local_rank))
         mark_gone(self._control, self.node_id, range(worker_group.spec.local_world_size))
         self._control.set(dead_key(self.node_id), json.dumps({"time": time.time(), "generation": self.generation}))
+        self._control.set(LAST_DEATH_KEY, json.dumps({"node_id": self.node_id, "time": time.time()}))  # watched
 
     def _live_holders(self, *, fresh: bool = False) -> bool:
         """Whether some worker of the job still holds the live state (:class:`~lightning_emig.launcher.heartbeat.

@@ -39,7 +39,8 @@ Keys under the prefix (the control store), for generation ``n``:
   ``hb/<node_id>/agent``: the same, by every agent; ``holds/<node_id>/<local_rank>``: the same, by a worker only
   while it holds the live state (once it is in a generation the holders formed).
 * ``dead/<node_id>``: written by an agent whose workers failed (abrupt failure) before it stops the node's other
-  workers: the survivors need not wait for the heartbeats to go stale.
+  workers: the survivors need not wait for the heartbeats to go stale; ``last_death`` names the node marked last
+  (every worker watches that one key: a survivor computing without a collective stops at once).
 * ``failure/<n>/...``: the survivors' agreement after a collective of generation ``n`` failed
   (see :mod:`lightning_emig.membership.failure`).
 
@@ -94,6 +95,9 @@ the newest complete checkpoint (see :mod:`lightning_emig.membership.admission`).
 HEARTBEAT_TIMEOUT_KEY = "heartbeat_timeout_s"
 """The workers' ``elastic.heartbeat_timeout_s``, for the agents (they have no training configuration)."""
 GENERATION_COUNTER_KEY = "generation_counter"
+LAST_DEATH_KEY = "last_death"
+"""JSON ``{"node_id", "time"}`` of the node an agent marked dead last (with its ``dead/`` key): the one key every
+worker's death watch reads (:mod:`lightning_emig.membership.death_watch`), however many nodes the job has."""
 TRAINING_DONE_KEY = "training_done"
 """Set by the holders' rank 0 once training reached its end: a joiner still waiting to be admitted then exits 0
 (nothing is left to train; its agent goes to the exit barrier with the others instead of waiting for it)."""

@@ -1,7 +1,8 @@
 """Abrupt failure: a peer died without notice; the survivors carry on in this process, without a restart.
 
 A collective of generation ``n`` fails on every survivor (gloo raises when the dead peer's sockets close, or at the
-process-group timeout). ``Trainer.fit`` re-raises; ``train.py`` hands the error to :func:`recover_from_failure`,
+process-group timeout), or, sooner, the death watch raises as the dead worker's agent marks its node
+(:mod:`~lightning_emig.membership.death_watch`). ``Trainer.fit`` re-raises; ``train.py`` hands the error to :func:`recover_from_failure`,
 which every survivor runs:
 
 1. **detect**: leave the broken group, report in (``failure/<n>/report/<rank>``: node, step of the last consistent
@@ -210,7 +211,7 @@ def _recover_once(
     held: LiveHandoff | None, backend: str, client: Any,
 ) -> LiveHandoff | Rollback:
     settings: FailureSettings = strategy.failure_settings
-    started = time.perf_counter()
+    started_wall = time.time()
     # Gloo has no abort: a group's sockets close only when nothing references it any more, and survivors blocked on
     # *us* (not on the dead) learn of the failure only then, or at their collective timeout. So drop what holds the
     # group (the traceback's frames, the mesh, the optimizers' DTensors; the caller dropped the model) first.
@@ -220,7 +221,7 @@ def _recover_once(
         dist.destroy_process_group()
     generation, rank, old_world, old_layout, stash = (ours.members.generation, ours.rank, ours.world, ours.layout,
                                                       ours.stash)
-    log.error("COLLECTIVE FAILURE in generation %d on rank %d: %s", generation, rank, str(error).splitlines()[0][:200])
+    log.error("PEER FAILURE in generation %d on rank %d: %s", generation, rank, str(error).splitlines()[0][:300])
     step, consistent = _consistent_step(stash)
     client.set(report_key(ours.scope, rank), json.dumps(
         {"node_id": node_id, "local_rank": local_rank, "step": step, "consistent": consistent,
@@ -229,7 +230,7 @@ def _recover_once(
     patience = max(settings.failure_timeout_s,
                    strategy.timeout.total_seconds() + settings.heartbeat_timeout_s + 10.0)
     decision = _decide_survivors(client, ours.members, settings, timeout_s=patience, scope=ours.scope)
-    detect = _detect_seconds(time.perf_counter() - started, decision)
+    detected = _detection_phases(started_wall, decision, stash.last_step_wall if stash is not None else None)
     if not decision["dead_nodes"] and held is None:  # everyone reported: no peer died, not a failure we can mend
         raise error
 
@@ -248,7 +249,7 @@ def _recover_once(
     except GenerationError as exc:  # a survivor died before the survivors' group formed
         raise _SurvivorLost(str(exc)) from exc
     agree = time.perf_counter() - started
-    seconds = {"detect": detect, "agree": agree}
+    seconds = {**detected, "agree": agree}
     if held is not None and not decision["dead_nodes"]:
         return _go_on_unchanged(held, new_generation, seconds)
 
@@ -354,7 +355,7 @@ def _decide_survivors(
 
 def _last_seen_alive(client: Any, node_id: str, local_rank: int) -> float | None:
     """When a dead worker was last known alive (``time.time()`` on its own host): its agent's ``dead/`` mark, else
-    its last heartbeat; None when neither says. For the ``detect`` phase only (see :func:`_detect_seconds`)."""
+    its last heartbeat; None when neither says. For the report's phases only (see :func:`_detection_phases`)."""
     if client.check([dead_key(node_id)]):
         marked = json.loads(client.get(dead_key(node_id)) or b"{}")
         if "time" in marked:
@@ -363,13 +364,20 @@ def _last_seen_alive(client: Any, node_id: str, local_rank: int) -> float | None
     return float(client.get(beat)) if client.check([beat]) else None
 
 
-def _detect_seconds(waited: float, decision: dict[str, Any]) -> float:
-    """The ``detect`` phase: from when the first dead worker was last known alive to the decision — what the
-    collective's error (at once, or at ``trainer.pg_timeout_s``) and the heartbeat timeout took together, bounded by
-    their sum — or, without that time, how long this survivor waited for the decision. Host clocks are compared
-    here, for a report only: nothing is decided by it."""
-    last_seen = decision.get("last_seen_alive")
-    return waited if last_seen is None else max(waited, time.time() - float(last_seen))
+def _detection_phases(started_wall: float, decision: dict[str, Any], last_step_wall: float | None
+                      ) -> dict[str, float]:
+    """The failure's first phases. The failure was known from when the first dead worker was last seen alive (its
+    agent's mark, else its last heartbeat) or when this survivor began to recover (its collective failed, or its death
+    watch saw the mark: :mod:`~lightning_emig.membership.death_watch`), whichever came first. ``in_flight``: from the
+    last step boundary to then, the step in flight, lost; ``detect``: from then to the decision — a collective's error
+    (at once, or at ``trainer.pg_timeout_s``) or the heartbeat timeout, and the survivors' agreement. Host clocks are
+    compared here, for a report only: nothing is decided by it."""
+    now, last_seen = time.time(), decision.get("last_seen_alive")
+    known = started_wall if last_seen is None else min(started_wall, float(last_seen))
+    phases = {"detect": now - known}
+    if last_step_wall is not None:
+        phases = {"in_flight": max(0.0, known - last_step_wall), **phases}
+    return phases
 
 
 def _publish_or_wait(

@@ -41,6 +41,7 @@ from lightning_emig.launcher.generation import ENV_AGENT_PID, ENV_GENERATION
 from lightning_emig.launcher.heartbeat import mark_holding, start_heartbeat
 from lightning_emig.launcher.orphans import die_with_parent
 from lightning_emig.layout import HybridLayout, LayoutMesh
+from lightning_emig.membership.death_watch import start_death_watch
 from lightning_emig.membership.group import under_launcher
 from lightning_emig.membership.handoff import LIVE_CHECKPOINT, LiveHandoff
 from lightning_emig.membership.settings import ElasticSettings, FailureSettings, LayoutChoice
@@ -192,6 +193,7 @@ class ElasticMigrationStrategy(HybridLayoutStrategy):
             if self.root_device.type == "cpu":
                 keep_freed_host_memory()  # each step reuses the last one's pages (see lightning_emig.host_memory)
             start_heartbeat(self.failure_settings.heartbeat_interval_s, self.failure_settings.heartbeat_timeout_s)
+            start_death_watch(lambda: self.generation)  # a peer's death stops this process's compute at once
         self.generation = form_generation_group(Arrival(
             generation=self.generation, live_join=self.live_join, handoff=self._incoming.handoff,
             backend=self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo"),

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_emig.change.boundary import StepBoundaryHook
 from lightning_emig.change.consistency import ConsistencyGuard
+from lightning_emig.membership.death_watch import DeathWatchHooks
 from lightning_emig.membership.group import under_launcher
 from lightning_emig.strategy.rendezvous import RendezvousCallback
 from lightning_emig.strategy.step_times import StepTimeRecorder
@@ -21,15 +22,15 @@ def add_callbacks(trainer: pl.Trainer) -> None:
     """The strategy's own callbacks, added once, before any checkpoint callback (so a step that hands the state over is
     known to be one before a periodic save would fall on it): the step times of ``default_root_dir``, the run
     directory the events go to (every script, not only ``train.py``, gets each event's lost time and, on the restart
-    path, its ``restart`` event), the step-boundary hook, the rendezvous callback under ``lightning-emig-run``, the
-    consistency guard."""
+    path, its ``restart`` event), the step-boundary hook, the rendezvous callback and the death watch's hooks under
+    ``lightning-emig-run``, the consistency guard."""
     from lightning.pytorch.callbacks import Checkpoint
 
     # The step times first: a step's line is written as it ends, before the boundary's own work (a capture, a proof,
     # a save), and a restart's event is begun before the guard's proof of it, which is then a phase of that event.
     wanted: list[Any] = [StepTimeRecorder(Path(trainer.default_root_dir)), StepBoundaryHook()]
     if under_launcher():
-        wanted.append(RendezvousCallback())
+        wanted += [RendezvousCallback(), DeathWatchHooks()]
     # After the rendezvous callback: it captures the boundary state before the step's first collective (a periodic
     # proof is one), so a peer dying in the proof leaves the survivors that step's state.
     wanted.append(ConsistencyGuard())

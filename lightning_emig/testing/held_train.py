@@ -29,6 +29,9 @@ race of two membership events in end-to-end tests, so a test hits it on any mach
   these optimizer steps (at the step boundary, before the membership check) and logs ``test hold: step N``, until
   the test creates ``D/release-N``: the test acts (starts a node, sends a notice, kills a worker) while training is
   known to be at that step, on any machine.
+* ``LIGHTNING_EMIG_TEST_HOLD_IN_STEP_AFTER=N`` with ``LIGHTNING_EMIG_TEST_HOLD_DIR=D``: the same hold (same log line,
+  same release file), inside the step after step ``N``: once the boundary's work (capture, membership check, proof)
+  is done, before the first micro-batch's forward: the test acts while rank 0 is computing, not at a collective.
 * ``LIGHTNING_EMIG_TEST_HOLD_RESTARTED_FIT=1`` with ``LIGHTNING_EMIG_TEST_HOLD_DIR=D``: global rank 0 of a fit that
   torchrun's restart path started waits before its first batch, logging ``test hold: restarted fit waits``, until the
   test creates ``D/release-restart``: a failure before the restart's first step, on any machine.
@@ -320,6 +323,28 @@ def hold_at_steps(steps: set[int], release_dir: str, timeout_s: float = HOLD_TIM
     RendezvousCallback.on_train_batch_end = held_on_batch_end  # type: ignore[method-assign]
 
 
+ENV_HOLD_IN_STEP_AFTER = "LIGHTNING_EMIG_TEST_HOLD_IN_STEP_AFTER"
+
+
+def hold_in_step_after(step: int, release_dir: str, timeout_s: float = HOLD_TIMEOUT_S) -> None:
+    """Rank 0 waits before the first forward of the step after ``step`` until ``release_dir/release-<step>`` exists."""
+    from lightning_emig.strategy.hybrid import HybridLayoutStrategy
+
+    training_step = HybridLayoutStrategy.training_step
+    held: list[bool] = []
+
+    def held_training_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        trainer = self.lightning_module.trainer
+        if trainer.global_rank == 0 and trainer.global_step == step and not held:
+            held.append(True)
+            release = Path(release_dir) / f"release-{step}"
+            log.warning("test hold: step %d waits for %s (in the next step, before its forward)", step, release)
+            _wait_for_file(release, timeout_s, f"step {step}")
+        return training_step(self, *args, **kwargs)
+
+    HybridLayoutStrategy.training_step = held_training_step  # type: ignore[method-assign]
+
+
 ENV_HOLD_RESTARTED_FIT = "LIGHTNING_EMIG_TEST_HOLD_RESTARTED_FIT"
 
 
@@ -369,6 +394,9 @@ def main() -> None:
         corrupt_a_restore(int(corrupt_restore_at))
     if os.environ.get(ENV_HOLD_RESTARTED_FIT) == "1":
         hold_restarted_fit(os.environ[ENV_HOLD_DIR])
+    in_step_after = os.environ.get(ENV_HOLD_IN_STEP_AFTER)
+    if in_step_after:
+        hold_in_step_after(int(in_step_after), os.environ[ENV_HOLD_DIR])
     steps = os.environ.get(ENV_HOLD_AT_STEPS)
     if steps:
         hold_at_steps({int(s) for s in steps.split(",")}, os.environ[ENV_HOLD_DIR])

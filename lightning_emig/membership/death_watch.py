@@ -1,0 +1,175 @@
+"""Notice a peer's death as soon as its agent does, not at this process's next collective.
+
+A collective with a dead peer fails at once on gloo (its sockets close), but only when a survivor gets to one. Until
+then it computes on: a replica under HSDP runs a whole forward alone, and with gradient accumulation whole
+micro-batches (their gradients are reduced only with the last one) — seconds of work the recovery throws away, since
+it restores the last step boundary. The agent of a node whose worker died marks it dead within its monitor interval
+(``dead/<node_id>``, and ``last_death`` naming it: :mod:`~lightning_emig.launcher.agent`). So every worker under
+``lightning-emig-run`` runs a :class:`DeathWatch`:
+
+* a thread reads ``last_death`` every :data:`POLL_S` (one key however many nodes the job has, through a control-store
+  client of its own); when it names a new death, or the process moved to another generation, it reads the ``dead/``
+  marks of the other nodes of the generation the process trains in;
+* once one is marked, :class:`DeathWatchHooks` (installed on the LightningModule's modules at every fit) raise
+  :class:`PeerDeathNoticed` in the training thread from the next module it runs forward, or backward, through. The fit
+  ends as the failed collective would have ended it, and the same recovery follows
+  (:mod:`~lightning_emig.membership.failure`), a few milliseconds of compute after the mark instead of up to a step.
+
+Only the training thread is interrupted, and only inside forward or backward: never inside the optimizer step or a
+step boundary's capture, so the state the recovery restores is the last boundary's whatever the moment. A death the
+agent cannot mark (the whole node gone) is noticed as before: by a collective's error or a stale heartbeat.
+Outside ``lightning-emig-run``, and on torchrun's restart path (its agents mark nothing), the thread sees no mark.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_emig.launcher.generation import (
+    ENV_NODE_ID,
+    LAST_DEATH_KEY,
+    control_client_from_env,
+    dead_key,
+    read_generation,
+)
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.utils.hooks import RemovableHandle
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.1
+"""How often the thread reads ``last_death``: the longest a survivor computes on after a peer's agent marked it."""
+
+
+class PeerDeathNoticed(dist.DistError):
+    """A peer of this process's generation died (its agent marked its node dead): raised in the training thread, as
+    the collective with that peer would raise, so that :func:`~lightning_emig.membership.failure.is_peer_failure`
+    takes it for one."""
+
+
+class DeathWatch:
+    """The thread of one process (see the module); ``generation`` says, whenever asked, which generation it trains in."""
+
+    def __init__(self, generation: Callable[[], int], *, node_id: str | None = None, client: Any = None,
+                 poll_s: float = POLL_S) -> None:
+        self._generation = generation
+        self._node_id = node_id or os.environ[ENV_NODE_ID]
+        self._client = client if client is not None else control_client_from_env(timeout_s=10.0)
+        self._poll_s = poll_s
+        self._noticed: dict[int, str] = {}
+        """Generation -> what was noticed (written by the thread, read by the training thread: one dict store)."""
+        self._others: dict[int, list[str]] = {}
+        self._looked_at: tuple[bytes | None, int] | None = None
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lightning-emig-death-watch", daemon=True)
+        self._thread.start()
+
+    def raise_if_noticed(self) -> None:
+        """Raise :class:`PeerDeathNoticed` when a peer of the current generation was marked dead (the hooks call this)."""
+        noticed = self._noticed.get(self._generation())
+        if noticed is not None:
+            raise PeerDeathNoticed(noticed)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=15.0)
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._poll_s):
+            try:
+                self.look()
+            except Exception:  # noqa: BLE001 - the store may be gone at the very end of the job
+                log.debug("death watch: reading the control store failed", exc_info=True)
+
+    def look(self) -> None:
+        """One poll (the thread's; public for tests)."""
+        generation = self._generation()
+        if generation < 0 or generation in self._noticed:
+            return
+        client = self._client
+        last = client.get(LAST_DEATH_KEY) if client.check([LAST_DEATH_KEY]) else None
+        if last is None or (last, generation) == self._looked_at:
+            return
+        for node_id in self._other_nodes(generation):
+            if client.check([dead_key(node_id)]):
+                marked = json.loads(client.get(dead_key(node_id)) or b"{}").get("time")
+                after = "" if marked is None else f", noticed {max(0.0, time.time() - float(marked)):.2f}s after its mark"
+                self._noticed[generation] = (f"node {node_id} of generation {generation} was marked dead by its agent "
+                                             f"(a worker of it died{after}, before any collective failed here)")
+                log.error("death watch: %s", self._noticed[generation])
+                return
+        self._looked_at = (last, generation)  # only once looked at: a poll that failed halfway is made again
+
+    def _other_nodes(self, generation: int) -> list[str]:
+        if generation not in self._others:
+            nodes = read_generation(self._client, generation).nodes
+            self._others[generation] = [node.node_id for node in nodes if node.node_id != self._node_id]
+        return self._others[generation]
+
+
+_watching: DeathWatch | None = None
+
+
+def start_death_watch(generation: Callable[[], int]) -> DeathWatch:
+    """This process's death watch (idempotent: later calls return the running one); stopped and joined at exit, as
+    the heartbeat is (a daemon thread inside a store call at finalization aborts the process)."""
+    global _watching
+    if _watching is None:
+        _watching = DeathWatch(generation)
+        atexit.register(_watching.stop)
+    return _watching
+
+
+class DeathWatchHooks(Callback):
+    """At every fit, hooks on the LightningModule's modules that hold parameters: before each forward, and as each
+    one's output gradient is computed in backward, this process's watch raises if a peer was marked dead (see the
+    module); nothing where no watch runs. Removed when the fit ends; the modules a change drops take theirs along."""
+
+    def __init__(self) -> None:
+        self._handles: list[RemovableHandle] = []
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._remove()
+        if _watching is None:
+            return
+        check = _watching.raise_if_noticed
+
+        def before_forward(_module: torch.nn.Module, _args: Any) -> None:
+            check()
+
+        def after_forward(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(lambda _grad: check())
+
+        for module in pl_module.modules():
+            if next(module.parameters(recurse=False), None) is not None:
+                self._handles.append(module.register_forward_pre_hook(before_forward))
+                self._handles.append(module.register_forward_hook(after_forward))
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._remove()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._remove()
+
+    def _remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
