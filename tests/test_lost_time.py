@@ -59,19 +59,28 @@ def test_a_step_slowed_by_a_background_checkpoint_is_not_the_steady_step() -> No
 def test_the_lost_time_splits_into_the_training_threads_work_and_its_waiting() -> None:
     # steady steps of 0.5 s, 0.4 s of CPU each; the change and its first step beyond: 1.2 s, 0.6 s of CPU (the pause
     # waited 0.5 s for the wire, the rest was work). The steady step the lost time subtracts is the fastest (step 13).
-    cpu = [1.0, 1.6, 2.0, 2.4, 2.9]
-    times = [{**t, "cpu": c} for t, c in zip([{"step": 10, "time": 9.0, "world": 1, "pid": 1}]
-                                             + [{"step": 11 + i, "time": t, "world": 2, "pid": 1}
-                                                for i, t in enumerate((10.2, 10.8, 11.3, 11.9))], cpu, strict=True)]
+    # Page faults: 100 per steady step; 900 over the change and its first step (new memory touched).
+    cpu, faults = [1.0, 1.6, 2.0, 2.4, 2.9], [1000, 1900, 2000, 2100, 2250]
+    times = [{**t, "cpu": c, "faults": f} for t, c, f in zip(
+        [{"step": 10, "time": 9.0, "world": 1, "pid": 1}]
+        + [{"step": 11 + i, "time": t, "world": 2, "pid": 1} for i, t in enumerate((10.2, 10.8, 11.3, 11.9))],
+        cpu, faults, strict=True)]
     lost = lost_time(_event("join", 10, 1, 2, time=10.21, downtime=1.2), times)
     assert lost is not None and lost.steady_step_seconds == pytest.approx(0.5)
     assert lost.lost_seconds == pytest.approx(0.7)
     assert lost.lost_cpu_seconds == pytest.approx(0.6 - 0.4)
+    assert lost.extra_page_faults == 900 - 100
+    assert lost.first_step_parts_excess is None  # these lines carry no parts
+    parts = [{}, {"forward": 0.3, "backward": 0.5}, {}, {"forward": 0.2, "backward": 0.25}, {}]
+    with_parts = [{**t, "parts": p} for t, p in zip(times, parts, strict=True)]
+    lost = lost_time(_event("join", 10, 1, 2, time=10.21, downtime=1.2), with_parts)
+    assert lost is not None and lost.first_step_parts_excess == pytest.approx({"forward": 0.1, "backward": 0.25})
     # Lines of another process (the restart path's new rank 0), or without CPU seconds: no split.
     other = [{**t, "pid": 2} if t["step"] > 10 else t for t in times]
     assert lost_time(_event("join", 10, 1, 2, time=10.21, downtime=1.2), other).lost_cpu_seconds is None
-    bare = [{k: v for k, v in t.items() if k != "cpu"} for t in times]
+    bare = [{k: v for k, v in t.items() if k not in ("cpu", "faults")} for t in times]
     assert lost_time(_event("join", 10, 1, 2, time=10.21, downtime=1.2), bare).lost_cpu_seconds is None
+    assert lost_time(_event("join", 10, 1, 2, time=10.21, downtime=1.2), bare).extra_page_faults is None
 
 
 def test_the_restart_path_loses_the_steps_it_recomputes() -> None:

@@ -31,6 +31,12 @@ steady-state cost). Each record (:func:`lightning_emig.testing.join_downtime.eve
 * ``lost_cpu_seconds``: of the lost time, rank 0's training thread's work (its CPU seconds over the change and the
   first step beyond, less the steady step's); the rest it waited (the wire, its peers, a core). None where another
   process took over rank 0 (torchrun restarted the workers);
+* ``extra_page_faults``: of rank 0's page faults, those over the change and the first step beyond less a steady
+  step's (memory touched for the first time: at ~3 s per GiB on the development VMs, a cost of its own);
+* ``first_step_parts_excess``: the first step beyond's forward, backward and optimizer step, each less the steady
+  step's (where its excess went);
+* ``lost_beyond_in_flight_seconds`` (a failure's): the lost time less the ``in_flight`` phase, the step in flight
+  when the peer died (the goal: at most 1 s);
 * ``first_step_excess_seconds``: the event's ``first_step`` phase minus the steady step (how much of the lost time
   the first step on the new world added; on the restart path, the restarted process's first, recomputed step): the
   gap to "pause = wire time" is ``lost_seconds`` against ``phases["transfer"]`` and this, read from one record;
@@ -125,11 +131,16 @@ def main() -> None:
                     record["round"] = round_index
                     records.append(record)
                     print(f"{model:10s} {event:8s} {path:8s} round {round_index}: lost {_seconds(record['lost_seconds'])} "
-                          f"(rank 0 working {_seconds(record['lost_cpu_seconds'])} of it, downtime "
+                          f"(rank 0 working {_seconds(record['lost_cpu_seconds'])} of it, "
+                          f"{_faults(record['extra_page_faults'])}, "
+                          f"{_beyond_in_flight(record['lost_beyond_in_flight_seconds'])}downtime "
                           f"{record['downtime_seconds']:.2f}s, steady step {_seconds(record['step_seconds_new'])}, first "
                           f"step's excess {_seconds(record['first_step_excess_seconds'])}, rolled back "
                           f"{record['steps_rolled_back']}) "
-                          f"phases " + ", ".join(f"{k} {v:.2f}" for k, v in record["phases"].items()), flush=True)
+                          f"phases " + ", ".join(f"{k} {v:.2f}" for k, v in record["phases"].items())
+                          + "; first step's excess by part " + ", ".join(
+                              f"{k} {v:+.2f}" for k, v in (record["first_step_parts_excess"] or {}).items()),
+                          flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()}, "records": records},
                                    indent=2))
@@ -150,7 +161,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         med = {
             path: {key: _median([r[key] for r in same if r["path"] == path])
                    for key in ("lost_seconds", "downtime_seconds", "step_seconds_new", "step_seconds_old",
-                               "step_seconds_preparing", "first_step_excess_seconds", "lost_cpu_seconds")}
+                               "step_seconds_preparing", "first_step_excess_seconds", "lost_cpu_seconds",
+                               "extra_page_faults", "lost_beyond_in_flight_seconds")}
             for path in PATHS
         }
         key = model if event == "join" else f"{model}/{event}"
@@ -164,8 +176,18 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         print(f"{key}: time lost live {_seconds(r['live_lost_seconds'])}, restart {_seconds(r['restart_lost_seconds'])}"
               f" -> restart/live {lost}; downtime live {_seconds(r['live_downtime_seconds'])}, restart "
               f"{_seconds(r['restart_downtime_seconds'])} ({down}); steady step "
-              f"{_seconds(r['live_step_seconds_new'])}{_slowdown(r)}")
+              f"{_seconds(r['live_step_seconds_new'])}{_slowdown(r)}"
+              + (f"; live lost {r['live_lost_beyond_in_flight_seconds']:.2f}s beyond the step in flight"
+                 if r.get("live_lost_beyond_in_flight_seconds") is not None else ""))
     return ratios
+
+
+def _faults(count: int | None) -> str:
+    return "page faults n/a" if count is None else f"{count} extra page faults ({count * 4096 / 2**30:.2f} GiB of 4 KiB)"
+
+
+def _beyond_in_flight(seconds: float | None) -> str:
+    return "" if seconds is None else f"{seconds:.2f}s beyond the step in flight, "
 
 
 def _slowdown(r: dict[str, Any]) -> str:

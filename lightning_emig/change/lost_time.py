@@ -53,6 +53,14 @@ class LostTime:
     step to the first step beyond, less those of the steady step): building, copying, caches met cold, the first
     step's own extra work. The rest it waited: for the wire, its peers or a core. None where those lines come from
     different processes (the restart path) or carry no ``cpu``."""
+    extra_page_faults: int | None = None
+    """Rank 0's page faults over the change and the first step beyond, less those of the steady step: memory touched
+    for the first time (the transfer's new shards, a larger world's gradients...), each fault a 4 KiB page mapped and
+    zeroed. None where ``lost_cpu_seconds`` is, or the lines carry no ``faults``."""
+    first_step_parts_excess: dict[str, float] | None = None
+    """Per part of a step (``forward``, ``backward``, ``optimizer``: see :mod:`~lightning_emig.strategy.step_times`),
+    how much longer it ran in the first step beyond than in the steady one: where a first step's excess went. None
+    where the lines carry no ``parts``."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -80,16 +88,27 @@ def lost_time(event: dict[str, Any], times: list[dict[str, Any]], *, steady_step
     return LostTime(lost_seconds=recovery - steady, recovery_seconds=recovery, steady_step_seconds=steady,
                     steady_steps=len(gaps), last_old_step=int(last_old["step"]),
                     first_step_excess_seconds=first_step - steady if first_step is not None else None,
-                    lost_cpu_seconds=_lost_cpu(last_old, run, fastest))
+                    lost_cpu_seconds=_beyond_steady("cpu", last_old, run, fastest),
+                    extra_page_faults=_beyond_steady("faults", last_old, run, fastest),
+                    first_step_parts_excess=_parts_excess(last_old, run, fastest))
 
 
-def _lost_cpu(last_old: dict[str, Any], run: list[dict[str, Any]], fastest: int) -> float | None:
-    """The training thread's CPU seconds to the first step beyond less those of the steady step (``run[fastest]`` to
-    the line after it), where one process wrote all of those lines."""
+def _beyond_steady(counter: str, last_old: dict[str, Any], run: list[dict[str, Any]], fastest: int) -> Any:
+    """How much ``counter`` (a running count on each line: ``cpu``, ``faults``) grew to the first step beyond less what
+    it grew in the steady step (``run[fastest]`` to the line after it), where one process wrote all of those lines."""
     lines = [last_old, run[0], run[fastest], run[fastest + 1]]
-    if any("cpu" not in line for line in lines) or len({line["pid"] for line in lines}) != 1:
+    if any(counter not in line for line in lines) or len({line["pid"] for line in lines}) != 1:
         return None
-    return (run[0]["cpu"] - last_old["cpu"]) - (run[fastest + 1]["cpu"] - run[fastest]["cpu"])
+    return (run[0][counter] - last_old[counter]) - (run[fastest + 1][counter] - run[fastest][counter])
+
+
+def _parts_excess(last_old: dict[str, Any], run: list[dict[str, Any]], fastest: int) -> dict[str, float] | None:
+    """The first step beyond's ``parts`` less the steady step's (``run[fastest + 1]``); the rest of a step's time is
+    left out: the first step beyond's rest holds the change's pause."""
+    first, steady = run[0].get("parts"), run[fastest + 1].get("parts")
+    if first is None or steady is None:
+        return None
+    return {part: round(seconds - steady.get(part, 0.0), 4) for part, seconds in first.items()}
 
 
 def recovery_span(event: dict[str, Any], times: list[dict[str, Any]]

@@ -2,9 +2,13 @@
 
 :class:`StepTimeRecorder` (global rank 0) appends one JSON line per optimizer step to ``<run_dir>/step_times.jsonl``:
 ``{"step": steps completed, "time": time.time(), "world": world size, "pid": process id, "cpu": time.thread_time(),
-"loss": that step's loss}`` (``cpu``: the CPU seconds of the thread that runs Lightning's loop, so that a change's
-lost time splits into that thread's work and its waiting; ``loss`` where the module keeps ``step_losses``, as ours
-do). The strategy installs it for every fit, in the Trainer's ``default_root_dir`` (the directory its events go
+"faults": page faults so far, "loss": that step's loss}`` (``cpu``: the CPU seconds of the thread that runs
+Lightning's loop, so that a change's lost time splits into that thread's work and its waiting; ``faults``: the
+process's minor page faults, every thread's — memory it touched for the first time, which a change's first step may
+meet cold; ``parts``: where rank 0's training thread spent the step, in seconds — ``forward`` (each micro-batch's
+start to its backward), ``backward``, ``optimizer`` (from the optimizer step's hook, clipping included, to the step's
+end), summed over the micro-batches; the rest of the step's time went to the data, the loop and the callbacks, the
+last boundary's work among them; ``loss`` where the module keeps ``step_losses``, as ours do). The strategy installs it for every fit, in the Trainer's ``default_root_dir`` (the directory its events go
 to). The file outlives processes, so it spans every generation and every restart of a job: downtime of any
 membership change is "last line of the old world" to "first line of the new one", whichever path the change took,
 and the loss of every step trained, whichever process was rank 0 then (a step trained again after a rollback has a
@@ -26,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,6 +58,29 @@ def read_step_times(run_dir: Path) -> list[dict[str, Any]]:
     return read_complete_lines(run_dir / STEP_TIMES_FILE)
 
 
+class _StepParts:
+    """The ``parts`` of one step's line: seconds per part, summed as the training thread passes the hooks."""
+
+    def __init__(self) -> None:
+        self._part: str | None = None
+        self._since = 0.0
+        self._seconds: dict[str, float] = {}
+
+    def begin(self, part: str) -> None:
+        self.end()
+        self._part, self._since = part, time.perf_counter()
+
+    def end(self) -> None:
+        if self._part is not None:
+            self._seconds[self._part] = self._seconds.get(self._part, 0.0) + time.perf_counter() - self._since
+            self._part = None
+
+    def take(self) -> dict[str, float]:
+        self.end()
+        taken, self._seconds = {k: round(v, 4) for k, v in self._seconds.items()}, {}
+        return taken
+
+
 class StepTimeRecorder(Callback):
     """Rank 0 writes each optimizer step's end time; after a restart-path resume, every rank begins the ``restart``
     change (recorded by the strategy at the first step)."""
@@ -65,6 +93,7 @@ class StepTimeRecorder(Callback):
         self._awaiting: list[dict[str, Any]] = []
         """Published events (lines of ``events.jsonl``) whose lost time is not known yet."""
         self._write_failed = False
+        self._parts = _StepParts()
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -91,15 +120,34 @@ class StepTimeRecorder(Callback):
         self._begin_restart(trainer)
 
     @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+                             ) -> None:
+        self._parts.begin("forward")
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        self._parts.begin("backward")
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._parts.end()
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._parts.begin("optimizer")
+
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if trainer.global_rank != 0 or not at_step_boundary(trainer):
+            self._parts.end()
             return
         now = time.time()
         strategy: Any = trainer.strategy
         record = {"step": trainer.global_step, "time": now, "world": strategy.world_size, "pid": os.getpid(),
-                  "cpu": time.thread_time()}
+                  "cpu": time.thread_time(), "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
+                  "parts": self._parts.take()}
         loss = getattr(pl_module, "step_losses", {}).get(trainer.global_step - 1)  # the step that just ended
         if loss is not None:
             record["loss"] = loss

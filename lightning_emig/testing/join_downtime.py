@@ -132,6 +132,11 @@ def event_record(run_dir: Path, name: str, path: str, event: dict[str, Any], *, 
         "phases": event["seconds"],
         "first_step_excess_seconds": lost.first_step_excess_seconds if lost is not None else None,
         "lost_cpu_seconds": lost.lost_cpu_seconds if lost is not None else None,
+        "extra_page_faults": lost.extra_page_faults if lost is not None else None,
+        "first_step_parts_excess": lost.first_step_parts_excess if lost is not None else None,
+        # A failure's goal: lose the step in flight (last boundary to the death) and at most a second more.
+        "lost_beyond_in_flight_seconds": (lost.lost_seconds - event["seconds"]["in_flight"]
+                                          if lost is not None and "in_flight" in event["seconds"] else None),
         "bytes_moved": event["bytes_moved"],
         "step_seconds_old": median_step_seconds(before),
         "step_seconds_preparing": median_step_seconds(preparing),
