@@ -167,3 +167,15 @@ def test_a_change_proven_equal_to_its_state_before_says_so_in_its_event() -> Non
     changes.finish(None, generation=1, world_size=1, rank=1, choice=None)  # type: ignore[arg-type]
     (event,) = changes.events
     assert event.as_dict()["proven_digest"] == "0x9e37eceab620f6c2"
+
+
+def test_a_rollback_after_a_change_refused_at_its_start_loses_the_change_too() -> None:
+    # World 1 reached step 20 (t=19); a join to world 2 was refused before its first step (its state failed the proof:
+    # no step on world 2), and world 2 rolled back to the step-10 checkpoint, 2 s later, and recomputed steps 11..20
+    # at 0.5 s a step. The rollback's old world (2) never finished a step: its lost time runs from world 1's last one.
+    times = _steps(1, 0.0, 20, 1.0, 1) + _steps(11, 19.0 + 2.0 + 0.5, 14, 0.5, 2)
+    rollback = _event("failure", 10, 2, 2, time=21.5 + 0.01, downtime=2.5, rolled_back=10)
+    lost = lost_time(rollback, times)
+    assert lost is not None and lost.last_old_step == 20
+    assert lost.steady_step_seconds == pytest.approx(0.5)
+    assert lost.lost_seconds == pytest.approx(2.0 + 10 * 0.5)  # the pause and the ten steps trained again

@@ -118,7 +118,10 @@ def recovery_span(event: dict[str, Any], times: list[dict[str, Any]]
     if event.get("downtime_seconds") is None or "time" not in event:
         return None
     old_end = event["time"] - event["downtime_seconds"] + _LINE_LAG_S
-    old = [t for t in times if t["world"] == event["old_world"] and t["time"] <= old_end]
+    before = [t for t in times if t["time"] <= old_end]
+    # The old world's last step; where the old world never finished one (a change refused as its fit started, then
+    # rolled back), the last step of the world before it: the refused change's cost is the rollback's too.
+    old = [t for t in before if t["world"] == event["old_world"]] or before
     if not old:
         return None
     last_old = max(old, key=lambda t: t["time"])

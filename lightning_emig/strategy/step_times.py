@@ -117,6 +117,7 @@ class StepTimeRecorder(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._parts = _StepParts()  # a step a failure cut short ends with its fit: its parts are no next step's
         self._begin_restart(trainer)
 
     @override
