@@ -257,12 +257,43 @@ def test_a_restore_that_fails_its_proof_is_refused_and_the_job_rolls_back_furthe
     further, to step 10, and ends as the uninterrupted run, every sample once."""
     log, a_workers = _a_replica_goes_wrong_at_step_23(
         tmp_path, checkpoint_every=10, test_env={"LIGHTNING_EMIG_TEST_CORRUPT_RESTORE_AT_STEP": "20"})
-    assert "as the fit restored step 20" in log and "ROLLED BACK to step 10" in log, log[-3000:]
+    assert "as a fit started at step 20" in log and "ROLLED BACK to step 10" in log, log[-3000:]
     checked = _check_run(tmp_path, reference, a_workers)
     failures = [(e["step"], e["steps_rolled_back"], e.get("downtime_seconds") is None)
                 for e in checked["events"] if e["kind"] == "failure"]
     assert failures == [(20, 5, True), (10, 10, False)], checked["events"]
     assert checked["ledger"].rolled_back_steps, checked["ledger"].describe()
+
+
+@pytest.mark.timeout(300)
+def test_a_join_whose_arrived_state_fails_its_proof_is_never_trained_on(tmp_path: Path, reference: Future) -> None:
+    """A trains alone; B joins at step 20, and its worker (rank 1) changes one element of the shard that arrived,
+    before the guard proves the state the new fit starts from. The proof refuses it before the first optimizer step:
+    both ranks roll back to the newest complete checkpoint (step 10: the handoff's step saves none) and the run ends
+    as the uninterrupted one, every sample once. The join happened all the same: its event comes first, with no
+    downtime (no step was trained on its world)."""
+    port = free_port()
+    agents: dict[str, subprocess.Popen] = {}
+    try:
+        agents["a"] = _start(tmp_path, "a", "127.0.0.2", port, layout=[], hosts_store=True, hold_steps="20")
+        _held_at(tmp_path, 20, agents)
+        agents["b"] = _start(tmp_path, "b", "127.0.0.3", port, layout=[], hosts_store=False,
+                             test_env={"LIGHTNING_EMIG_TEST_CORRUPT_RESTORE_AT_STEP": "20"})
+        wait_for(lambda: "world 2 on 2 node(s)" in _log(tmp_path, "a", 100000), 120, "B's round was not published")
+        a_workers = [p for p in descendants(agents["a"].pid) if is_alive(p)]
+        _release(tmp_path, 20)
+        assert_agents_succeed(tmp_path, agents, 200)
+    finally:
+        stop_agents(agents)
+    assert "as a fit started at step 20" in _log(tmp_path, "b", 1_000_000), _log(tmp_path, "b")
+    a_log = _log(tmp_path, "a", 1_000_000)
+    assert "INCONSISTENT STATE after" in a_log and "ROLLED BACK to step 10" in a_log, a_log[-3000:]
+    checked = _check_run(tmp_path, reference, a_workers)
+    events = [(e["kind"], e["step"], e["old_world"], e["new_world"], e.get("downtime_seconds") is None,
+               e.get("steps_rolled_back")) for e in checked["events"]]
+    assert events == [("join", 20, 1, 2, True, None), ("failure", 10, 2, 2, False, 10)], checked["events"]
+    assert set(checked["ledger"].rolled_back_steps) <= set(range(10, 21)), checked["ledger"].describe()
+    _print_events(checked["events"])
 
 
 @pytest.mark.timeout(420)

@@ -43,8 +43,8 @@ race of two membership events in end-to-end tests, so a test hits it on any mach
   element of its first trainable parameter, right before the consistency guard's periodic check: a replica that
   silently went wrong.
 * ``LIGHTNING_EMIG_TEST_CORRUPT_RESTORE_AT_STEP=N``: when a fit starts training at step ``N`` (a restore of that
-  step's checkpoint), global rank 1 does the same before the guard proves the restored state: a restore that went
-  wrong.
+  step's checkpoint, or a live change at that step), global rank 1 does the same before the guard proves the state
+  the fit starts from: a restore, or a transfer, that went wrong.
 * ``LIGHTNING_EMIG_TEST_RUN_MODULE=M``: run module ``M`` (e.g. ``lightning_emig.examples.gpt``) instead of
   ``lightning_emig.train``, with the same holds.
 
@@ -273,7 +273,7 @@ ENV_CORRUPT_RESTORE_AT_STEP = "LIGHTNING_EMIG_TEST_CORRUPT_RESTORE_AT_STEP"
 
 def corrupt_a_restore(step: int) -> None:
     """Once per process, when a fit starts training at ``step``, global rank 1 adds 1 to one element of its first
-    parameter before the guard's proof of the restored state (see the module docstring)."""
+    parameter before the guard's proof of the state the fit starts from (see the module docstring)."""
     from lightning_emig.change.consistency import ConsistencyGuard
 
     on_train_start = ConsistencyGuard.on_train_start
@@ -282,7 +282,7 @@ def corrupt_a_restore(step: int) -> None:
     def corrupting_on_train_start(self: Any, trainer: Any, *args: Any, **kwargs: Any) -> None:
         if trainer.global_step == step and trainer.global_rank == 1 and not done:
             done.append(True)
-            _change_one_element(trainer, f"as the fit restored step {step}")
+            _change_one_element(trainer, f"as a fit started at step {step}")
         on_train_start(self, trainer, *args, **kwargs)
 
     ConsistencyGuard.on_train_start = corrupting_on_train_start  # type: ignore[method-assign]
