@@ -201,6 +201,10 @@ def test_the_death_watch_notices_a_peer_of_its_own_generation_marked_dead() -> N
         with pytest.raises(PeerDeathNoticed, match="node b of generation") as noticed:
             watch.raise_if_noticed()
         assert is_peer_failure(noticed.value)  # the fit ends as a failed collective ends it
+        try:  # as torch's pipeline schedule wraps what a stage's forward raised
+            raise RuntimeError("[Stage 0] failed to run forward: args: ...") from noticed.value
+        except RuntimeError as wrapped:
+            assert is_peer_failure(wrapped)
         current[0] = second  # the survivors' generation: b is not in it, c is (and is marked)
         watch.raise_if_noticed()
         watch.look()
@@ -247,6 +251,7 @@ def test_once_a_death_is_noticed_no_module_runs_forward_or_backward(monkeypatch:
     model, hooks = _Counting(), DeathWatchHooks()
     hooks.on_train_start(None, model)  # type: ignore[arg-type]
     try:
+        hooks.on_train_batch_start(None, model, None, 0)  # type: ignore[arg-type]
         loss = model(torch.ones(2, 4)).sum()  # nobody died: the whole forward runs
         assert model.ran == ["forward 0", "forward 1", "forward 2"]
         _mark_dead(store, "b")
@@ -257,9 +262,17 @@ def test_once_a_death_is_noticed_no_module_runs_forward_or_backward(monkeypatch:
         with pytest.raises(PeerDeathNoticed):
             model(torch.ones(2, 4))
         assert len(model.ran) == 3, "a layer ran forward after the death was noticed"
+        # After the optimizer step's hook the state may be written already: no raise there (the survivors would
+        # hold no consistent step); the next micro-batch raises again.
+        hooks.on_before_optimizer_step(None, model, None)  # type: ignore[arg-type]
+        model(torch.ones(2, 4))
+        assert len(model.ran) == 6
+        hooks.on_train_batch_start(None, model, None, 1)  # type: ignore[arg-type]
+        with pytest.raises(PeerDeathNoticed):
+            model(torch.ones(2, 4))
         hooks.on_train_end(None, model)  # type: ignore[arg-type]
         model(torch.ones(2, 4))  # the hooks are gone with the fit
-        assert len(model.ran) == 6
+        assert len(model.ran) == 9
     finally:
         watch.stop()
 

@@ -179,3 +179,8 @@ def test_a_rollback_after_a_change_refused_at_its_start_loses_the_change_too() -
     assert lost is not None and lost.last_old_step == 20
     assert lost.steady_step_seconds == pytest.approx(0.5)
     assert lost.lost_seconds == pytest.approx(2.0 + 10 * 0.5)  # the pause and the ten steps trained again
+    # The same after an earlier period on a world of two (steps 1-5, before a failure left one process): the span
+    # still starts at world 1's step 20, not at world 2's step 5.
+    earlier = [{**t, "world": 2} if t["step"] <= 5 else t for t in times[:20]] + times[20:]
+    lost = lost_time(rollback, earlier)
+    assert lost is not None and lost.last_old_step == 20 and lost.lost_seconds == pytest.approx(7.0)

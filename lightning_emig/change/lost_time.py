@@ -118,13 +118,12 @@ def recovery_span(event: dict[str, Any], times: list[dict[str, Any]]
     if event.get("downtime_seconds") is None or "time" not in event:
         return None
     old_end = event["time"] - event["downtime_seconds"] + _LINE_LAG_S
+    # The last step before the change began: the old world's, or, where the old world never finished one (a change
+    # refused as its fit started, then rolled back), the world's before it: the refused change's cost is counted too.
     before = [t for t in times if t["time"] <= old_end]
-    # The old world's last step; where the old world never finished one (a change refused as its fit started, then
-    # rolled back), the last step of the world before it: the refused change's cost is the rollback's too.
-    old = [t for t in before if t["world"] == event["old_world"]] or before
-    if not old:
+    if not before:
         return None
-    last_old = max(old, key=lambda t: t["time"])
+    last_old = max(before, key=lambda t: t["time"])
     later = [t for t in times if t["time"] > last_old["time"]]
     beyond = next((i for i, t in enumerate(later) if t["step"] > last_old["step"]), None)
     if beyond is None:

@@ -15,9 +15,12 @@ it restores the last step boundary. The agent of a node whose worker died marks 
   ends as the failed collective would have ended it, and the same recovery follows
   (:mod:`~lightning_emig.membership.failure`), a few milliseconds of compute after the mark instead of up to a step.
 
-Only the training thread is interrupted, and only inside forward or backward: never inside the optimizer step or a
-step boundary's capture, so the state the recovery restores is the last boundary's whatever the moment. A death the
-agent cannot mark (the whole node gone) is noticed as before: by a collective's error or a stale heartbeat.
+The hooks raise only between a micro-batch's start (``on_train_batch_start``) and the optimizer step's hook
+(``on_before_optimizer_step``): in the training step's forward and backward, which only read the state. Never after
+the optimizer wrote the state and before the next boundary captured it (a callback's forward at the batch's end, a
+closure an optimizer evaluates again after updating), where the survivors would hold no consistent step and roll
+back; nor in validation. There, and where the agent cannot mark the death (the whole node gone), it is noticed as
+before: by a collective's error or a stale heartbeat.
 Outside ``lightning-emig-run``, and on torchrun's restart path (its agents mark nothing), the thread sees no mark.
 """
 
@@ -141,25 +144,45 @@ class DeathWatchHooks(Callback):
 
     def __init__(self) -> None:
         self._handles: list[RemovableHandle] = []
+        self._armed = False
+        """Between a micro-batch's start and the optimizer step's hook (see the module)."""
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._remove()
         if _watching is None:
             return
-        check = _watching.raise_if_noticed
+        watch = _watching
+
+        def check() -> None:
+            if self._armed:
+                watch.raise_if_noticed()
 
         def before_forward(_module: torch.nn.Module, _args: Any) -> None:
             check()
 
         def after_forward(_module: torch.nn.Module, _args: Any, output: Any) -> None:
-            if isinstance(output, torch.Tensor) and output.requires_grad:
+            if isinstance(output, torch.Tensor) and output.grad_fn is not None:  # not a leaf: its hooks go with it
                 output.register_hook(lambda _grad: check())
 
         for module in pl_module.modules():
             if next(module.parameters(recurse=False), None) is not None:
                 self._handles.append(module.register_forward_pre_hook(before_forward))
                 self._handles.append(module.register_forward_hook(after_forward))
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+                             ) -> None:
+        self._armed = True
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._armed = False
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._armed = False
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -170,6 +193,7 @@ class DeathWatchHooks(Callback):
         self._remove()
 
     def _remove(self) -> None:
+        self._armed = False
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

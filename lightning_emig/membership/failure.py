@@ -2,8 +2,8 @@
 
 A collective of generation ``n`` fails on every survivor (gloo raises when the dead peer's sockets close, or at the
 process-group timeout), or, sooner, the death watch raises as the dead worker's agent marks its node
-(:mod:`~lightning_emig.membership.death_watch`). ``Trainer.fit`` re-raises; ``train.py`` hands the error to :func:`recover_from_failure`,
-which every survivor runs:
+(:mod:`~lightning_emig.membership.death_watch`). ``Trainer.fit`` re-raises; ``train.py`` hands the error to
+:func:`recover_from_failure`, which every survivor runs:
 
 1. **detect**: leave the broken group, report in (``failure/<n>/report/<rank>``: node, step of the last consistent
    state), and wait until every rank of generation ``n`` has either reported or is dead — its agent marked the node
@@ -113,10 +113,17 @@ class Rollback:
 
 
 def is_peer_failure(exc: BaseException) -> bool:
-    """Did a collective fail because a peer is gone (as opposed to a bug in this process)?"""
-    if isinstance(exc, dist.DistError):
-        return True
-    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in PEER_FAILURE_MARKERS)
+    """Did a collective fail because a peer is gone (as opposed to a bug in this process)? The error or one it was
+    raised from: torch's pipeline schedule wraps what a stage's forward or backward raised in a plain
+    ``RuntimeError`` (``[Stage k] failed to run forward``)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, dist.DistError) or (
+                isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in PEER_FAILURE_MARKERS)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 RECOVERY_ATTEMPTS = 3

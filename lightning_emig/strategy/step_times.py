@@ -6,9 +6,10 @@
 Lightning's loop, so that a change's lost time splits into that thread's work and its waiting; ``faults``: the
 process's minor page faults, every thread's — memory it touched for the first time, which a change's first step may
 meet cold; ``parts``: where rank 0's training thread spent the step, in seconds — ``forward`` (each micro-batch's
-start to its backward), ``backward``, ``optimizer`` (from the optimizer step's hook, clipping included, to the step's
-end), summed over the micro-batches; the rest of the step's time went to the data, the loop and the callbacks, the
-last boundary's work among them; ``loss`` where the module keeps ``step_losses``, as ours do). The strategy installs it for every fit, in the Trainer's ``default_root_dir`` (the directory its events go
+start to its backward), ``backward``, ``optimizer`` (from the optimizer step's hook to the step's end: clipping, the
+step, the callbacks' hooks there — a first step's completion of the proof among them), summed over the
+micro-batches; with pipeline stages the schedule runs forward and backward in one call, all counted as ``forward``;
+the rest of the step's time went to the data, the loop and the callbacks, the last boundary's work among them; ``loss`` where the module keeps ``step_losses``, as ours do). The strategy installs it for every fit, in the Trainer's ``default_root_dir`` (the directory its events go
 to). The file outlives processes, so it spans every generation and every restart of a job: downtime of any
 membership change is "last line of the old world" to "first line of the new one", whichever path the change took,
 and the loss of every step trained, whichever process was rank 0 then (a step trained again after a rollback has a
