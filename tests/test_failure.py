@@ -205,6 +205,13 @@ def test_the_death_watch_notices_a_peer_of_its_own_generation_marked_dead() -> N
             raise RuntimeError("[Stage 0] failed to run forward: args: ...") from noticed.value
         except RuntimeError as wrapped:
             assert is_peer_failure(wrapped)
+        try:  # an error of the recovery itself, raised while the death was handled, is none
+            try:
+                raise noticed.value
+            except PeerDeathNoticed:
+                raise RuntimeError("process 0 needs 48 bytes that no live process holds")  # noqa: B904 - as a recovery
+        except RuntimeError as own:
+            assert own.__context__ is noticed.value and not is_peer_failure(own)
         current[0] = second  # the survivors' generation: b is not in it, c is (and is marked)
         watch.raise_if_noticed()
         watch.look()

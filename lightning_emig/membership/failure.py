@@ -114,15 +114,18 @@ class Rollback:
 
 def is_peer_failure(exc: BaseException) -> bool:
     """Did a collective fail because a peer is gone (as opposed to a bug in this process)? The error or one it was
-    raised from: torch's pipeline schedule wraps what a stage's forward or backward raised in a plain
-    ``RuntimeError`` (``[Stage k] failed to run forward``)."""
+    raised *from* (torch's pipeline schedule wraps what a stage's forward or backward raised in a plain
+    ``RuntimeError``, ``[Stage k] failed to run forward``, ``from`` it). Not an error merely raised while another was
+    handled (``__context__``): a recovery runs inside the handler of the failure it recovers from, and its own errors
+    (a shard no survivor holds) are no peer's death."""
     seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, dist.DistError) or (
-                isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in PEER_FAILURE_MARKERS)):
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, dist.DistError) or (
+                isinstance(cause, RuntimeError) and any(marker in str(cause) for marker in PEER_FAILURE_MARKERS)):
             return True
-        exc = exc.__cause__ or exc.__context__
+        cause = cause.__cause__
     return False
 
 
