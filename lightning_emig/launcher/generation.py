@@ -64,7 +64,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lightning_emig.launcher.control_store import ETCD_SCHEME, open_control_store, parse_host_port
 
@@ -158,6 +158,12 @@ def ready_key(node_id: str, local_rank: int) -> str:
 def dead_key(node_id: str) -> str:
     """Control-store key an agent writes when its node's workers failed."""
     return f"dead/{node_id}"
+
+
+def read_dead_mark(client: Store, node_id: str) -> dict[str, Any] | None:
+    """The ``dead/`` mark of ``node_id`` (``{"time", "generation"}`` as its agent wrote it), or None if unmarked."""
+    key = dead_key(node_id)
+    return json.loads(client.get(key) or b"{}") if client.check([key]) else None
 
 
 def store_prefix(generation: int) -> str:

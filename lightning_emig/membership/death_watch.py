@@ -27,7 +27,6 @@ Outside ``lightning-emig-run``, and on torchrun's restart path (its agents mark 
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import threading
@@ -44,7 +43,7 @@ from lightning_emig.launcher.generation import (
     ENV_NODE_ID,
     LAST_DEATH_KEY,
     control_client_from_env,
-    dead_key,
+    read_dead_mark,
     read_generation,
 )
 
@@ -82,7 +81,10 @@ class DeathWatch:
         self._thread.start()
 
     def raise_if_noticed(self) -> None:
-        """Raise :class:`PeerDeathNoticed` when a peer of the current generation was marked dead (the hooks call this)."""
+        """Raise :class:`PeerDeathNoticed` when a peer of the current generation was marked dead (the hooks call this,
+        on every module's forward: nothing but an empty dict's test until a death was noticed)."""
+        if not self._noticed:
+            return
         noticed = self._noticed.get(self._generation())
         if noticed is not None:
             raise PeerDeathNoticed(noticed)
@@ -108,8 +110,9 @@ class DeathWatch:
         if last is None or (last, generation) == self._looked_at:
             return
         for node_id in self._other_nodes(generation):
-            if client.check([dead_key(node_id)]):
-                marked = json.loads(client.get(dead_key(node_id)) or b"{}").get("time")
+            mark = read_dead_mark(client, node_id)
+            if mark is not None:
+                marked = mark.get("time")
                 after = "" if marked is None else f", noticed {max(0.0, time.time() - float(marked)):.2f}s after its mark"
                 self._noticed[generation] = (f"node {node_id} of generation {generation} was marked dead by its agent "
                                              f"(a worker of it died{after}, before any collective failed here)")

@@ -57,6 +57,7 @@ from lightning_emig.launcher.generation import (
     dead_key,
     heartbeat_key,
     node_host,
+    read_dead_mark,
     read_generation,
 )
 from lightning_emig.launcher.heartbeat import HeartbeatWatch
@@ -366,10 +367,9 @@ def _decide_survivors(
 def _last_seen_alive(client: Any, node_id: str, local_rank: int) -> float | None:
     """When a dead worker was last known alive (``time.time()`` on its own host): its agent's ``dead/`` mark, else
     its last heartbeat; None when neither says. For the report's phases only (see :func:`_detection_phases`)."""
-    if client.check([dead_key(node_id)]):
-        marked = json.loads(client.get(dead_key(node_id)) or b"{}")
-        if "time" in marked:
-            return float(marked["time"])
+    marked = read_dead_mark(client, node_id)
+    if marked is not None and "time" in marked:
+        return float(marked["time"])
     beat = heartbeat_key(node_id, local_rank)
     return float(client.get(beat)) if client.check([beat]) else None
 

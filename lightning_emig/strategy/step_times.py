@@ -2,18 +2,19 @@
 
 :class:`StepTimeRecorder` (global rank 0) appends one JSON line per optimizer step to ``<run_dir>/step_times.jsonl``:
 ``{"step": steps completed, "time": time.time(), "world": world size, "pid": process id, "cpu": time.thread_time(),
-"faults": page faults so far, "loss": that step's loss}`` (``cpu``: the CPU seconds of the thread that runs
+"faults": page faults so far, "parts": {...}, "loss": that step's loss}`` (``cpu``: the CPU seconds of the thread that runs
 Lightning's loop, so that a change's lost time splits into that thread's work and its waiting; ``faults``: the
 process's minor page faults, every thread's — memory it touched for the first time, which a change's first step may
 meet cold; ``parts``: where rank 0's training thread spent the step, in seconds — ``forward`` (each micro-batch's
 start to its backward), ``backward``, ``optimizer`` (from the optimizer step's hook to the step's end: clipping, the
 step, the callbacks' hooks there — a first step's completion of the proof among them), summed over the
 micro-batches; with pipeline stages the schedule runs forward and backward in one call, all counted as ``forward``;
-the rest of the step's time went to the data, the loop and the callbacks, the last boundary's work among them; ``loss`` where the module keeps ``step_losses``, as ours do). The strategy installs it for every fit, in the Trainer's ``default_root_dir`` (the directory its events go
-to). The file outlives processes, so it spans every generation and every restart of a job: downtime of any
-membership change is "last line of the old world" to "first line of the new one", whichever path the change took,
-and the loss of every step trained, whichever process was rank 0 then (a step trained again after a rollback has a
-line each time).
+the rest of the step's time went to the data, the loop and the callbacks, the last boundary's work among them;
+``loss`` where the module keeps ``step_losses``, as ours do). The strategy installs it for every fit, in the
+Trainer's ``default_root_dir`` (the directory its events go to). The file outlives processes, so it spans every
+generation and every restart of a job: downtime of any membership change is "last line of the old world" to "first
+line of the new one", whichever path the change took, and the loss of every step trained, whichever process was
+rank 0 then (a step trained again after a rollback has a line each time).
 
 Once the steady steps after an event with downtime are done, rank 0 reports its lost time (see
 :mod:`lightning_emig.change.lost_time`): a console line and ``event/lost_seconds`` to every logger.
