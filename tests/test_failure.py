@@ -27,23 +27,17 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from lightning_emig.change.events import read_events
 from lightning_emig.launcher.generation import (
-    LAST_DEATH_KEY,
-    GenerationError,
     GenerationInfo,
     NodeEntry,
     dead_key,
     heartbeat_key,
-    publish_generation,
     worker_env,
 )
 from lightning_emig.launcher.heartbeat import HeartbeatWatch
-from lightning_emig.membership import death_watch
-from lightning_emig.membership.death_watch import DeathWatch, DeathWatchHooks, PeerDeathNoticed
 from lightning_emig.membership.failure import (
     _decide_survivors,
     is_peer_failure,
@@ -168,120 +162,6 @@ def test_the_first_decision_wins() -> None:
     store.set(report_key("failure/3", 0), "{}")
     store.set(report_key("failure/3", 1), "{}")  # b reported after all: too late, the decision stands
     assert _decide_survivors(store, info, FailureSettings(failure_timeout_s=5))["survivors"] == [0]
-
-
-def _publish(store: dist.Store, nodes: dict[str, int]) -> int:
-    entries = [NodeEntry(node_id=n, ranks=(r,), kept_workers=True) for n, r in nodes.items()]
-    generation = publish_generation(store, nodes=entries, world_size=len(entries), master_addr="127.0.0.1",
-                                    master_port=1, rendezvous_seconds=0.0)
-    assert generation is not None
-    return generation
-
-
-def _mark_dead(store: dist.Store, node_id: str) -> None:
-    """What an agent writes when its node's worker died (``_mark_dead`` in the agent)."""
-    store.set(dead_key(node_id), json.dumps({"time": time.time()}))
-    store.set(LAST_DEATH_KEY, json.dumps({"node_id": node_id, "time": time.time()}))
-
-
-def test_the_death_watch_notices_a_peer_of_its_own_generation_marked_dead() -> None:
-    store = dist.HashStore()
-    first, second = _publish(store, {"a": 0, "b": 1}), _publish(store, {"a": 0, "c": 1})
-    current = [first]
-    watch = DeathWatch(lambda: current[0], node_id="a", client=store, poll_s=3600.0)  # polled by hand here
-    try:
-        watch.look()
-        watch.raise_if_noticed()  # nobody died
-        _mark_dead(store, "a")  # this node: its agent stops this worker anyway
-        _mark_dead(store, "c")  # a node of another generation
-        watch.look()
-        watch.raise_if_noticed()
-        _mark_dead(store, "b")
-        watch.look()
-        with pytest.raises(PeerDeathNoticed, match="node b of generation") as noticed:
-            watch.raise_if_noticed()
-        assert is_peer_failure(noticed.value)  # the fit ends as a failed collective ends it
-        try:  # as torch's pipeline schedule wraps what a stage's forward raised
-            raise RuntimeError("[Stage 0] failed to run forward: args: ...") from noticed.value
-        except RuntimeError as wrapped:
-            assert is_peer_failure(wrapped)
-        try:  # an error of the recovery itself, raised while the death was handled, is none
-            try:
-                raise noticed.value
-            except PeerDeathNoticed:
-                raise RuntimeError("process 0 needs 48 bytes that no live process holds")  # noqa: B904 - as a recovery
-        except RuntimeError as own:
-            assert own.__context__ is noticed.value and not is_peer_failure(own)
-        current[0] = second  # the survivors' generation: b is not in it, c is (and is marked)
-        watch.raise_if_noticed()
-        watch.look()
-        with pytest.raises(PeerDeathNoticed, match="node c of generation"):
-            watch.raise_if_noticed()
-    finally:
-        watch.stop()
-
-
-def test_a_look_that_fails_halfway_is_made_again() -> None:
-    store = dist.HashStore()
-    _mark_dead(store, "b")  # marked before this process can read its generation (not published yet)
-    watch = DeathWatch(lambda: 0, node_id="a", client=store, poll_s=3600.0)
-    try:
-        with pytest.raises(GenerationError, match="not published yet"):
-            watch.look()
-        assert _publish(store, {"a": 0, "b": 1}) == 0
-        watch.look()
-        with pytest.raises(PeerDeathNoticed):
-            watch.raise_if_noticed()
-    finally:
-        watch.stop()
-
-
-class _Counting(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
-        self.ran: list[str] = []
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            x.register_hook(lambda grad, i=i: self.ran.append(f"backward {i}"))
-            self.ran.append(f"forward {i}")
-        return x
-
-
-def test_once_a_death_is_noticed_no_module_runs_forward_or_backward(monkeypatch: pytest.MonkeyPatch) -> None:
-    store = dist.HashStore()
-    generation = _publish(store, {"a": 0, "b": 1})
-    watch = DeathWatch(lambda: generation, node_id="a", client=store, poll_s=3600.0)
-    monkeypatch.setattr(death_watch, "_watching", watch)
-    model, hooks = _Counting(), DeathWatchHooks()
-    hooks.on_train_start(None, model)  # type: ignore[arg-type]
-    try:
-        hooks.on_train_batch_start(None, model, None, 0)  # type: ignore[arg-type]
-        loss = model(torch.ones(2, 4)).sum()  # nobody died: the whole forward runs
-        assert model.ran == ["forward 0", "forward 1", "forward 2"]
-        _mark_dead(store, "b")
-        watch.look()
-        with pytest.raises(PeerDeathNoticed):
-            loss.backward()
-        assert model.ran[3:] == [], "a layer's backward ran after the death was noticed"
-        with pytest.raises(PeerDeathNoticed):
-            model(torch.ones(2, 4))
-        assert len(model.ran) == 3, "a layer ran forward after the death was noticed"
-        # After the optimizer step's hook the state may be written already: no raise there (the survivors would
-        # hold no consistent step); the next micro-batch raises again.
-        hooks.on_before_optimizer_step(None, model, None)  # type: ignore[arg-type]
-        model(torch.ones(2, 4))
-        assert len(model.ran) == 6
-        hooks.on_train_batch_start(None, model, None, 1)  # type: ignore[arg-type]
-        with pytest.raises(PeerDeathNoticed):
-            model(torch.ones(2, 4))
-        hooks.on_train_end(None, model)  # type: ignore[arg-type]
-        model(torch.ones(2, 4))  # the hooks are gone with the fit
-        assert len(model.ran) == 9
-    finally:
-        watch.stop()
 
 
 # --- end to end ------------------------------------------------------------------------------------
