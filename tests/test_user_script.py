@@ -136,7 +136,10 @@ def _check_run(tmp_path: Path, reference: Future[dict[str, float]], a_workers: l
     assert callbacks[0]["steps"] == MAX_STEPS, callbacks
     # The strategy records the script's step times in its default_root_dir, as train.py's run directory: every step
     # trained has its line, and every event with steps after it gets its lost time.
-    assert {r["step"] for r in read_step_times(run_dir)} == set(range(1, MAX_STEPS + 1))
+    step_times = read_step_times(run_dir)
+    assert {r["step"] for r in step_times} == set(range(1, MAX_STEPS + 1))
+    # Each line says where its step went and how many pages the process had faulted in by then.
+    assert all(r["parts"].get("forward", 0) > 0 and r["faults"] > 0 for r in step_times), step_times[:3]
     timed = [e for e in events_with_lost_time(run_dir)
              if e.get("downtime_seconds") is not None and e["step"] <= MAX_STEPS - 2]
     assert timed and all(e.get("lost_seconds") is not None for e in timed), timed
