@@ -78,6 +78,63 @@ def test_a_change_drops_only_the_children_that_hold_state() -> None:
         check_rebuilt(module, ["model", "stats"])
 
 
+def test_a_dropped_model_leaves_no_gradient_behind_for_the_collector_to_find() -> None:
+    # FSDP's modules sit in reference cycles: dropped, they and their gradients wait for a full collection, beside the
+    # new model's first step. A hook that refers to its own module stands in for such a cycle.
+    import gc
+    import weakref
+
+    import torch
+    from torch import nn
+
+    from lightning_emig.change.rebuild import drop_model
+
+    module = nn.Module()
+    module.model = nn.Linear(4, 4)
+    module.model.register_forward_hook(lambda m, args, out, model=module.model: None)
+    module.model(torch.ones(2, 4)).sum().backward()
+    grad = weakref.ref(module.model.weight.grad)
+    gc.disable()
+    try:
+        drop_model(module, keep=frozenset())
+        assert grad() is None
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("cut_short", [False, True])
+def test_what_a_step_cut_short_left_behind_is_freed_with_the_dropped_model(cut_short: bool) -> None:
+    # A failure interrupts a forward: the error's frames hold the model, whose FSDP cycles hold its unsharded
+    # parameters (a tensor on a module in a hook's cycle stands in for them). A change at a step boundary has no error.
+    import gc
+    import weakref
+
+    import torch
+    from torch import nn
+
+    from lightning_emig.change.rebuild import drop_model
+
+    module = nn.Module()
+    module.model = nn.Linear(4, 4)
+    module.model.register_forward_hook(lambda m, args, out, model=module.model: None)
+    module.model.unsharded = torch.ones(8)
+    left = weakref.ref(module.model.unsharded)
+
+    def forward_cut_short(model: nn.Module) -> None:
+        raise RuntimeError(f"a peer died in the forward of {type(model).__name__}")
+
+    gc.disable()
+    try:
+        try:
+            forward_cut_short(module.model)
+        except RuntimeError as error:
+            drop_model(module, keep=frozenset(), cut_short_by=error if cut_short else None)
+            assert (left() is None) == cut_short
+            assert "a peer died in the forward of Linear" in str(error)  # the error itself is left whole
+    finally:
+        gc.enable()
+
+
 def test_only_the_first_fit_of_a_restarted_process_is_a_restart(monkeypatch: pytest.MonkeyPatch) -> None:
     # A worker torchrun restarted keeps TORCHELASTIC_RESTART_COUNT > 0 for life; its later live fits are no restarts.
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")

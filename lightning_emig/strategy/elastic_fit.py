@@ -193,7 +193,7 @@ class ElasticFitLauncher(_Launcher):
         """The survivors' side of an abrupt failure (of the generation, or of the change to ``held.generation``
         before its state moved): a live handoff into their generation, or a rollback."""
         # Its FSDP state references the broken groups; the state is stashed.
-        dropped = drop_model(trainer.lightning_module, self._strategy.kept_children)
+        dropped = drop_model(trainer.lightning_module, self._strategy.kept_children, cut_short_by=failure)
         outcome = recover_from_failure(self._strategy, failure, os.environ[ENV_NODE_ID],
                                        int(os.environ["LOCAL_RANK"]), held=held)
         self._record_unfinished_change(trainer, held, outcome)
@@ -220,7 +220,7 @@ class ElasticFitLauncher(_Launcher):
         # The change the fit began with (a live change, a restart) happened, though its state is refused: its event
         # comes before the rollback's, whose old world it left.
         strategy.finish_change_event(trainer, interrupted=True)
-        dropped = drop_model(trainer.lightning_module, strategy.kept_children)
+        dropped = drop_model(trainer.lightning_module, strategy.kept_children, cut_short_by=error)
         rollback = Rollback(generation=strategy.generation, from_step=trainer.global_step,
                             reason=f"inconsistent state ({str(error).split(':', 1)[0]})", dead_nodes=[],
                             old_layout=strategy.layout, old_world=strategy.world_size, last_step_wall=time.time())
