@@ -102,6 +102,24 @@ def test_a_dropped_model_leaves_no_gradient_behind_for_the_collector_to_find() -
         gc.enable()
 
 
+def test_a_stand_in_cleared_for_a_prepared_change_leaves_the_live_models_gradients_alone() -> None:
+    # The preparation builds the new layout on a stand-in that shares the live module's children while it trains on:
+    # mid-accumulation, a gradient released there would be lost to the step.
+    import torch
+    from torch import nn
+
+    from lightning_emig.change.rebuild import clear_children
+
+    module = nn.Module()
+    module.model = nn.Linear(4, 4)
+    module.model(torch.ones(2, 4)).sum().backward()
+    stand_in = object.__new__(type(module))
+    stand_in.__dict__.update(module.__dict__)
+    stand_in.__dict__["_modules"] = dict(module._modules)
+    assert clear_children(stand_in, keep=frozenset()) == ["model"]
+    assert stand_in.model is None and module.model is not None and module.model.weight.grad is not None
+
+
 @pytest.mark.parametrize("cut_short", [False, True])
 def test_what_a_step_cut_short_left_behind_is_freed_with_the_dropped_model(cut_short: bool) -> None:
     # A failure interrupts a forward: the error's frames hold the model, whose FSDP cycles hold its unsharded

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from lightning_emig.change.rebuild import (
     check_built_again,
     check_rebuilt,
+    clear_children,
     drop_model,
     rank_order_keeping_state,
 )
@@ -209,7 +210,7 @@ def _build_on_stand_in(strategy: PrepareHost, layout_mesh: LayoutMesh
     for registry in _REGISTRIES:
         stand_in.__dict__[registry] = dict(module.__dict__[registry])
     before = dict(stand_in.__dict__)
-    dropped = drop_model(stand_in, strategy.kept_children)
+    dropped = clear_children(stand_in, strategy.kept_children)  # the live model trains on: nothing of it is freed
     stand_in.__dict__["_device_mesh"] = layout_mesh.root
     view = strategy.shadow_view
     view.layout_mesh, view.migrating = layout_mesh, True

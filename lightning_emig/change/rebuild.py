@@ -70,25 +70,35 @@ def children_with_state(module: Any) -> frozenset[str]:
                      if next(child.parameters(), None) is not None or next(child.buffers(), None) is not None)
 
 
-def drop_model(module: Any, keep: frozenset[str], *, cut_short_by: BaseException | None = None) -> list[str]:
+def clear_children(module: Any, keep: frozenset[str]) -> list[str]:
     """Set every direct child of ``module`` that holds parameters or buffers to None (its ``configure_model`` builds
     them for the new layout), but those in ``keep``: the children built outside ``configure_model`` (a loss with a
-    class weight, a frozen teacher), which hold no layout and stay as they are. Returns the names dropped.
+    class weight, a frozen teacher), which hold no layout and stay as they are. Returns the names cleared. The
+    children themselves are left as they are: a stand-in of the module shares them with the live one, which trains
+    on (:mod:`~lightning_emig.change.prepare`)."""
+    cleared = sorted(children_with_state(module) - keep)
+    for name in cleared:
+        setattr(module, name, None)
+    return cleared
 
-    What the dropped children hold beyond the training state (which the change moves and frees) is freed now, not
-    beside the new model's first step. Their gradients are released at once: Lightning clears them only before the
-    next backward (measured at ``llama_125m``, FSDP 2 -> 1: 0.25 GB held through a preemption's pause). A step cut
-    short by an error (``cut_short_by``, a failure) also left FSDP's unsharded parameters and gradient buffers in
-    the dropped modules' reference cycles, reachable from the error's frames until it is handled (0.50-0.53 GB at
-    ``llama_125m`` under HSDP, beside a 1.5 GB state): the frames' variables are cleared (the error keeps its
-    message and its traceback's lines) and a collection frees the rest, walking only what was created since the fit
-    started (:mod:`lightning_emig.collector`; 7-16 ms measured). A change at a step boundary takes none: it finds
-    nothing there (measured)."""
-    dropped = sorted(children_with_state(module) - keep)
-    for name in dropped:
+
+def drop_model(module: Any, keep: frozenset[str], *, cut_short_by: BaseException | None = None) -> list[str]:
+    """:func:`clear_children` of a model that is done with (a change's old model, at a step boundary or after a
+    failure), freeing now what its children hold beyond the training state (which the change moves and frees), not
+    beside the new model's first step. Returns the names dropped.
+
+    Their gradients are released at once: Lightning clears them only before the next backward (measured at
+    ``llama_125m``, FSDP 2 -> 1: 0.25 GB held through a preemption's pause). A step cut short by an error
+    (``cut_short_by``, a failure) also left FSDP's unsharded parameters and gradient buffers in the dropped modules'
+    reference cycles, reachable from the error's frames until it is handled (0.50-0.53 GB at ``llama_125m`` under
+    HSDP, beside a 1.5 GB state): the frames' variables are cleared (the error keeps its message and its traceback's
+    lines) and a collection frees the rest, walking only what was created since the fit started
+    (:mod:`lightning_emig.collector`; 7-16 ms measured). A change at a step boundary takes none: it finds nothing
+    there (measured)."""
+    for name in children_with_state(module) - keep:
         for parameter in getattr(module, name).parameters():
             parameter.grad = None
-        setattr(module, name, None)
+    dropped = clear_children(module, keep)
     if cut_short_by is not None:
         _clear_frames(cut_short_by)
         gc.collect()
