@@ -17,7 +17,6 @@ Measured as the process's peak RSS (``/proc/self/status`` VmHWM after a reset), 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -122,8 +121,7 @@ def _keeps_step_pages(rank: int, world: int, _: None) -> dict[str, Any]:
     del step  # freed, resident: the next allocations land on these pages
     new = allocate_shards(_specs(1), layout, rank)
     bound = memory_bound_bytes({k: t.local for k, t in old.items()}, {k: t.local for k, t in new.items()}, BUCKET)
-    before = memory.rss()
-    Path("/proc/self/clear_refs").write_text("5")  # the peak from here on, without returning the freed pages first
+    before = memory.reset_peak(trim_first=False)  # the peak from here on, the freed pages kept
     _migrate(old, new, layout, rank)
     grown = memory.peak() - before
     after = memory.rss()

@@ -5,7 +5,12 @@ parameters plus AdamW ``exp_avg`` / ``exp_avg_sq`` / ``step`` — is moved from 
 pre-allocated model and optimizer under the new layout, by each method in turn:
 
 Every method is timed the same way: one warm-up run (its time kept as ``cold_seconds``), then ``--repeats`` timed
-runs, the median reported (``samples`` lists them).
+runs, the median reported (``samples`` lists them). The processes keep freed heap pages, as an elastic worker does
+(``keep_freed_host_memory``): the warm-up starts from a trimmed heap (its RSS growth is the memory figure), the timed
+runs on the pages the runs before them freed, as a live change on a worker whose steps used them (measured on
+2026-12-07: a direct run from a trimmed heap faulted in its staging, 61-71 MiB a process at 125M ``s4:t2s2``, every
+time; the link limit's buffers are faulted in before its clock starts). Direct's run on fresh pages is its memory
+run (``release_run_seconds``).
 
 * ``direct``: ``lightning_emig.migration.engine.migrate`` (planned point-to-point transfer). After the timed runs one
   more run frees the old state as it goes (``release_old``, as a live change does) with the new state's storage
@@ -48,12 +53,15 @@ Each record's fields:
 * ``link_limit_seconds``: a raw ``batch_isend_irecv`` of preallocated contiguous buffers with exactly ``direct``'s
   per-pair byte counts, after a warm-up exchange, median of ``--repeats`` (the same for every method of a transition;
   like every method, timed after the disk has been synced, untimed);
+* ``host_limit_seconds``: the same exchange with each process's local copies (``direct``'s ``bytes_copied``) done
+  as one contiguous copy while it is on the wire: on a host whose cores run the wire's copies too (gloo over
+  loopback, this project's development machines) the least any migration that keeps a layout's bytes local costs;
 * ``peak_extra_bytes``: ``direct``: the transfer's largest send + receive buffer space in one round
   (``TransferStats.peak_buffer_bytes``, max over processes); the others: measured growth of the busiest process's
   peak RSS over its RSS just before (freed heap returned with ``malloc_trim``, VmHWM reset through
   ``/proc/self/clear_refs``), plus the checkpoint's bytes for ``dcp_tmpfs`` (tmpfs is RAM; the disk page cache is
   not counted), and at least the full state for ``gather_bcast`` (rank 0 holds all of it at once).
-  ``peak_rss_extra_bytes`` is the measured figure for every method.
+  ``peak_rss_extra_bytes`` is the measured figure for every method (from the warm-up, started on a trimmed heap).
 * ``direct`` only, from its memory run (per process, the busiest reported; ``release_run_seconds`` is that run's
   time, barrier to barrier, on this process): ``peak_extra_bytes_measured`` (peak RSS
   over RSS with the old state resident and the new one allocated but untouched), ``old_state_bytes``,
@@ -85,6 +93,7 @@ import torch.distributed.checkpoint as dcp
 from plot_migration import METHODS, plot, summary  # tools/, beside this script
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lightning_emig.host_memory import keep_freed_host_memory
 from lightning_emig.layout import (
     DEFAULT_RANK_ORDER,
     SHORT_LETTERS,
@@ -461,27 +470,33 @@ def _settle_disk() -> None:
     dist.barrier()
 
 
-def _link_limit(sends: dict[int, int], recvs: dict[int, int], repeats: int) -> list[float]:
-    """Seconds of a raw exchange of exactly these per-peer byte counts (barrier to barrier), after a warm-up."""
+def _link_limit(sends: dict[int, int], recvs: dict[int, int], repeats: int, copy_bytes: int = 0) -> list[float]:
+    """Seconds of a raw exchange of exactly these per-peer byte counts (barrier to barrier), after a warm-up; with
+    ``copy_bytes``, one contiguous copy of that many bytes done while the exchange is on the wire (as direct does its
+    local copies)."""
     out_buffers = {p: torch.full((n,), 7, dtype=torch.uint8) for p, n in sends.items() if n}
     # Zero-filled, so the pages exist before the clock starts.
     in_buffers = {p: torch.zeros(n, dtype=torch.uint8) for p, n in recvs.items() if n}
+    source, target = torch.full((copy_bytes,), 3, dtype=torch.uint8), torch.zeros(copy_bytes, dtype=torch.uint8)
     samples = []
     for _ in range(repeats + 1):
         ops = [dist.P2POp(dist.isend, b, p) for p, b in sorted(out_buffers.items())]
         ops += [dist.P2POp(dist.irecv, b, p) for p, b in sorted(in_buffers.items())]
         dist.barrier()
         start = time.perf_counter()
-        for work in dist.batch_isend_irecv(ops) if ops else ():
+        works = dist.batch_isend_irecv(ops) if ops else ()
+        target.copy_(source)
+        for work in works:
             work.wait()
         dist.barrier()
         samples.append(time.perf_counter() - start)
     return samples[1:]
 
 
-def _measure(fn: Any, *args: Any) -> dict[str, Any]:
-    """Run ``fn`` barrier to barrier on every process; return this process's seconds, RSS growth and details."""
-    rss = memory.reset_peak()
+def _measure(fn: Any, *args: Any, warm: bool) -> dict[str, Any]:
+    """Run ``fn`` barrier to barrier on every process; return this process's seconds, RSS growth and details.
+    ``warm``: on the heap's freed pages (the RSS growth is then not the memory ``fn`` needs)."""
+    rss = memory.reset_peak(trim_first=not warm)
     dist.barrier()
     start = time.perf_counter()
     info = fn(*args)
@@ -506,16 +521,17 @@ def _merge(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
 def _run_method(ctx: Ctx, method: str, catalog: list, workdir: str) -> list[list[dict[str, Any]]]:
     """Every run of ``method`` (a warm-up, then ``repeats``), each as per-process details."""
     runs = []
-    for _ in range(1 + ctx.repeats):
+    for index in range(1 + ctx.repeats):
+        warm = index > 0
         if ctx.new is not None:
             reset_nan(ctx.new)  # anything a method fails to write fails the check
         if method == "direct":
-            info = _measure(_direct, ctx)
+            info = _measure(_direct, ctx, warm=warm)
         elif method == "gather_bcast":
             if runs and ctx.old is not None:  # the previous run freed the old state
                 _reallocate(ctx.old)
                 fill_pattern(ctx.old, ctx.rank)
-            info = _measure(_gather_bcast, ctx, catalog)
+            info = _measure(_gather_bcast, ctx, catalog, warm=warm)
         else:
             if ctx.rank == 0:
                 shutil.rmtree(workdir, ignore_errors=True)
@@ -524,10 +540,10 @@ def _run_method(ctx: Ctx, method: str, catalog: list, workdir: str) -> list[list
                 written = _dcp_save(ctx, workdir)
                 if cold:
                     _evict_page_cache(ctx, workdir)
-                info = _measure(_dcp_load, ctx, workdir)
+                info = _measure(_dcp_load, ctx, workdir, warm=warm)
                 info["bytes_written"] = written["bytes_written"]
             else:
-                info = _measure(_dcp, ctx, workdir, cold)
+                info = _measure(_dcp, ctx, workdir, cold, warm=warm)
                 info["seconds"] -= info.pop("evict_seconds")  # not part of a save or a load
             if ctx.rank == 0:
                 shutil.rmtree(workdir, ignore_errors=True)
@@ -570,7 +586,7 @@ def _record(
     per_rank = runs[median]
     bad = sorted({i["bad"] for r in runs for i in r if i["bad"]})
     record = {"method": method, **merged[median], "samples": [merged[i]["seconds"] for i in range(1, len(runs))],
-              "cold_seconds": merged[0]["seconds"]}
+              "cold_seconds": merged[0]["seconds"], "peak_rss_extra_bytes": merged[0]["peak_rss_extra_bytes"]}
     record["seconds"] = statistics.median(record["samples"])
     record.update(bit_exact=not bad, mismatch=bad[:3])
     if method == "direct":
@@ -666,7 +682,7 @@ def _bench_transition(
         if method.startswith("dcp"):
             record["directory"] = workdir
         if method == "direct":
-            traffic = (runs[-1][rank]["sends"], runs[-1][rank]["recvs"])
+            traffic = (runs[-1][rank]["sends"], runs[-1][rank]["recvs"], runs[-1][rank]["bytes_copied"])
             if args["full_check"] and new is not None:
                 bad = check_full(new)  # the new state still holds direct's last result
                 record["bit_exact"] = record["bit_exact"] and bad is None
@@ -675,13 +691,16 @@ def _bench_transition(
         _log(rank, f"  {method:14s} {record['seconds']:8.3f}s exact={record['bit_exact']} {phases}")
     del ctx, old, new
     memory.trim()
-    link = None
+    limits = {}
     if traffic is not None:  # the models are freed first: the raw buffers are as large as the traffic
-        _settle_disk()
-        link = max(_all_gather(statistics.median(_link_limit(*traffic, args["repeats"]))))
-        _log(rank, f"  {'link limit':14s} {link:8.3f}s")
+        sends, recvs, copied = traffic
+        for name, copy_bytes in (("link", 0), ("host", copied)):
+            _settle_disk()
+            limits[name] = max(_all_gather(statistics.median(_link_limit(sends, recvs, args["repeats"], copy_bytes))))
+            _log(rank, f"  {name + ' limit':14s} {limits[name]:8.3f}s")
     for record in records:
-        record["link_limit_seconds"] = link
+        record["link_limit_seconds"] = limits.get("link")
+        record["host_limit_seconds"] = limits.get("host")
     return records
 
 
@@ -712,6 +731,7 @@ def _subgroup(size: int, cache: dict) -> Any:
 
 def _worker(rank: int, world: int, args: dict[str, Any]) -> list[dict[str, Any]]:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    keep_freed_host_memory()  # as an elastic worker (see the module's docstring)
     cache: dict[Any, Any] = {}
     records: list[dict[str, Any]] = []
     for model_name, transitions in args["transitions_by_model"].items():

@@ -3,7 +3,8 @@
 The table gives, per model and transition, each method's median seconds, the link limit, and the ratios: DCP save +
 load on disk / direct (b/a; b'/a with the files read from the device, not the page cache), on tmpfs (c/a), DCP load
 only / direct (e/a; e'/a from the device), gather + broadcast / direct (d/a),
-direct / link limit (a/link) and direct's point-to-point phase / link limit (p2p/lk); then direct's measured peak
+direct / link limit (a/link), direct's point-to-point phase / link limit (p2p/lk) and direct / the link limit with
+the local copies beside it (a/host, see ``host_limit_seconds`` in ``bench_migration.py``); then direct's measured peak
 memory growth against its bound (MiB). The plot is a log-scale bar chart of seconds per method per transition, one
 panel per model.
 
@@ -29,7 +30,7 @@ def summary(records: list[dict[str, Any]]) -> str:
         f"{'model':11s} {'transition':10s} {'direct':>7s} {'dcp_dsk':>7s} {'dsk_cld':>7s} {'dcp_tmp':>7s} "
         f"{'dcp_ld':>7s} {'ld_cld':>7s} {'gath_bc':>7s} {'link':>6s} | {'b/a':>5s} {disk_cold:>5s} "
         f"{'c/a':>5s} {'e/a':>5s} {load_cold:>5s} {'d/a':>5s} {'a/link':>6s} "
-        f"{'p2p/lk':>6s} | {'mem MiB':>7s} {'bound':>6s} {'exact':>5s}"
+        f"{'p2p/lk':>6s} {'a/host':>6s} | {'mem MiB':>7s} {'bound':>6s} {'exact':>5s}"
     )
     lines = [head, "-" * len(head)]
     nan = float("nan")
@@ -37,6 +38,7 @@ def summary(records: list[dict[str, Any]]) -> str:
         a = by.get("direct", {})
         secs = {m: by[m]["seconds"] if m in by else nan for m in METHODS}
         link = next(iter(by.values()))["link_limit_seconds"] or nan
+        host = next(iter(by.values())).get("host_limit_seconds") or nan
         base = secs["direct"]
         p2p = a.get("phases", {}).get("p2p", nan)
         grown, bound = (a.get(k, nan) / 2**20 for k in ("peak_extra_bytes_measured", "memory_bound_bytes"))
@@ -47,7 +49,7 @@ def summary(records: list[dict[str, Any]]) -> str:
             f"{secs['gather_bcast']:7.3f} {link:6.3f} | {secs['dcp_disk'] / base:5.1f} "
             f"{secs['dcp_disk_cold'] / base:5.1f} {secs['dcp_tmpfs'] / base:5.1f} {secs['dcp_load'] / base:5.1f} "
             f"{secs['dcp_load_cold'] / base:5.1f} {secs['gather_bcast'] / base:5.1f} "
-            f"{base / link:6.2f} {p2p / link:6.2f} | {grown:7.1f} {bound:6.1f} {str(exact):>5s}"
+            f"{base / link:6.2f} {p2p / link:6.2f} {base / host:6.2f} | {grown:7.1f} {bound:6.1f} {str(exact):>5s}"
         )
     return "\n".join(lines)
 

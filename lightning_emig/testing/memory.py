@@ -36,10 +36,12 @@ def trim() -> None:
     return_freed_host_memory()
 
 
-def reset_peak() -> int:
+def reset_peak(*, trim_first: bool = True) -> int:
     """Reset the peak to the current RSS; return the current RSS. Raises where the kernel cannot reset it (the peak
-    would then cover the process's whole life and every figure would be wrong)."""
-    trim()
+    would then cover the process's whole life and every figure would be wrong). ``trim_first=False`` keeps the
+    freed heap: what follows reuses its pages, and the growth measured is no longer the memory it needs."""
+    if trim_first:
+        trim()
     Path("/proc/self/clear_refs").write_text("5")
     return rss()
 
