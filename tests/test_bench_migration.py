@@ -1,4 +1,4 @@
-"""tools/bench_migration.py: a model runs the transitions its shape allows and is told why it skips the others."""
+"""tools/migration_sides.py: a model runs the transitions its shape allows and is told why it skips the others."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
-from bench_migration import parse_transitions, transitions_for  # noqa: E402
+from migration_sides import parse_transitions, transitions_for  # noqa: E402
 
 
 def test_a_model_skips_the_transitions_its_shape_cannot_take() -> None:
