@@ -4,6 +4,7 @@ the user's worker settings kept, and workers seeded as Lightning seeds them."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import multiprocessing
 import os
 import random
@@ -24,11 +25,6 @@ from lightning_emig.data import (
 from lightning_emig.data.adopt import DataLoaderNotElasticError, adopt_dataloader
 from lightning_emig.data.loader import MicroBatchLoader
 from lightning_emig.data.workers import MicroBatchReader, WorkerSettings
-
-
-def take(iterator: Iterator[Any], n: int) -> list[Any]:
-    return [next(iterator) for _ in range(n)]
-
 
 # ---------------------------------------------------------------------------------------------- worker processes
 # A user's DataLoader(num_workers=...) is read through worker processes with its own settings; the position stays in
@@ -185,7 +181,7 @@ def test_reading_leaves_the_training_rng_alone_and_seeds_workers_from_the_positi
 
     def worker_seeds() -> set[int]:
         rng = torch.get_rng_state()
-        seeds = {s for batch in take(iter(stream), 4) for s in batch["seed"]}
+        seeds = {s for batch in itertools.islice(iter(stream), 4) for s in batch["seed"]}
         assert torch.equal(torch.get_rng_state(), rng)
         return seeds
 
@@ -242,7 +238,7 @@ def first_draws(stream: MicroBatchStream) -> dict[int, tuple[int, int, float]]:
     """Each worker's seed from torch, its torch seed after its ``worker_init_fn`` and its first ``random`` draw (from
     the first batch it read, one step)."""
     draws: dict[int, tuple[int, int, float]] = {}
-    for batch in take(iter(stream), 4):
+    for batch in itertools.islice(iter(stream), 4):
         draws.setdefault(int(batch["worker"][0]), (int(batch["worker_seed"][0]), int(batch["seed"][0]),
                                                    float(batch["draw"][0])))
     return draws
