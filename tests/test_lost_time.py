@@ -47,6 +47,20 @@ def test_the_first_steps_excess_over_a_steady_step_is_read_from_the_event() -> N
     assert lost_time({**event, "seconds": {}}, times).first_step_excess_seconds is None
 
 
+def test_steps_shorter_than_the_lines_lag_are_not_taken_for_the_old_worlds() -> None:
+    # a small model (or a GPU): 0.06 s steps, a 0.12 s pause and a 0.07 s first step: the new world's first step ends
+    # 0.19 s after the old world's last, sooner than a step's line may lag behind the boundary
+    times = _steps(1, 0.0, 10, 0.06, 2) + _steps(11, 0.54 + 0.19, 5, 0.06, 1)
+    event = {**_event("preempt", 10, 2, 1, time=0.54 + 0.19 + 0.005, downtime=0.19),
+             "seconds": {"transfer": 0.05, "first_step": 0.07}}
+    lost = lost_time(event, times)
+    assert lost is not None
+    assert lost.last_old_step == 10
+    assert lost.recovery_seconds == pytest.approx(0.19)
+    assert lost.lost_seconds == pytest.approx(0.13)
+    assert lost.first_step_excess_seconds == pytest.approx(0.01)
+
+
 def test_a_step_slowed_by_a_background_checkpoint_is_not_the_steady_step() -> None:
     # world 2 at 0.5 s/step, but two of the three steps after the first beyond overlap a checkpoint write (0.9 s)
     times = _steps(1, 0.0, 10, 1.0, 1) + [{"step": 11 + i, "time": t, "world": 2, "pid": 1}

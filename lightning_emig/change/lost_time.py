@@ -29,7 +29,9 @@ STEP_TIMES_FILE = "step_times.jsonl"
 STEADY_STEPS = 3
 #: The event's downtime is counted from the moment the old world's last step ended, as the rendezvous callback saw
 #: it; that step's line in ``step_times.jsonl`` is written just before (the step times are the strategy's first
-#: callback), or later by what the script's own callbacks before them do at the step's end.
+#: callback), or later by what the script's own callbacks before them do at the step's end: up to this long later,
+#: and never as late as half the downtime (no step of the new world ends before the downtime does, and a small
+#: model's or a GPU's steps are shorter than this lag: its first step's line would be taken for the old world's).
 _LINE_LAG_S = 0.25
 
 
@@ -117,7 +119,7 @@ def recovery_span(event: dict[str, Any], times: list[dict[str, Any]]
     as records of ``step_times.jsonl``; None without downtime or before the first step beyond."""
     if event.get("downtime_seconds") is None or "time" not in event:
         return None
-    old_end = event["time"] - event["downtime_seconds"] + _LINE_LAG_S
+    old_end = event["time"] - event["downtime_seconds"] + min(_LINE_LAG_S, event["downtime_seconds"] / 2)
     # The last step before the change began: the old world's, or, where the old world never finished one (a change
     # refused as its fit started, then rolled back), the world's before it: the refused change's cost is counted too.
     before = [t for t in times if t["time"] <= old_end]
