@@ -47,6 +47,25 @@ def test_the_first_steps_excess_over_a_steady_step_is_read_from_the_event() -> N
     assert lost_time({**event, "seconds": {}}, times).first_step_excess_seconds is None
 
 
+def test_a_failures_pause_leaves_out_the_step_in_flight_and_the_first_step() -> None:
+    # world 2 at 1 s/step to step 10 (t=9); the peer dies 0.6 s into step 11 (in flight, lost), 0.3 s to the state in
+    # place, a first step of 0.9 s; then world 1 steps of 0.8, 0.85 and 1.0 s (a host wandering by 0.2 s)
+    first_beyond = 9.0 + 0.6 + 0.3 + 0.9
+    times = _steps(1, 0.0, 10, 1.0, 2) + [{"step": 11 + i, "time": t, "world": 1, "pid": 1}
+                                          for i, t in enumerate((first_beyond, first_beyond + 0.8,
+                                                                 first_beyond + 1.65, first_beyond + 2.65))]
+    event = {**_event("failure", 10, 2, 1, time=first_beyond + 0.01, downtime=1.8),
+             "seconds": {"in_flight": 0.6, "detect": 0.1, "transfer": 0.2, "first_step": 0.9}}
+    lost = lost_time(event, times)
+    assert lost is not None
+    assert lost.lost_seconds == pytest.approx(1.8 - 0.8)
+    assert lost.pause_seconds == pytest.approx(0.3)
+    assert lost.first_step_excess_seconds == pytest.approx(0.1)
+    assert lost.steady_step_spread_seconds == pytest.approx(0.2)
+    # without a first-step phase there is no telling the pause from the first step
+    assert lost_time({**event, "seconds": {"in_flight": 0.6}}, times).pause_seconds is None
+
+
 def test_steps_shorter_than_the_lines_lag_are_not_taken_for_the_old_worlds() -> None:
     # a small model (or a GPU): 0.06 s steps, a 0.12 s pause and a 0.07 s first step: the new world's first step ends
     # 0.19 s after the old world's last, sooner than a step's line may lag behind the boundary
@@ -59,6 +78,7 @@ def test_steps_shorter_than_the_lines_lag_are_not_taken_for_the_old_worlds() -> 
     assert lost.recovery_seconds == pytest.approx(0.19)
     assert lost.lost_seconds == pytest.approx(0.13)
     assert lost.first_step_excess_seconds == pytest.approx(0.01)
+    assert lost.pause_seconds == pytest.approx(0.12)
 
 
 def test_a_step_slowed_by_a_background_checkpoint_is_not_the_steady_step() -> None:

@@ -40,6 +40,9 @@ steady-state cost). Each record (:func:`lightning_emig.testing.join_downtime.eve
 * ``first_step_excess_seconds``: the event's ``first_step`` phase minus the steady step (how much of the lost time
   the first step on the new world added; on the restart path, the restarted process's first, recomputed step): the
   gap to "pause = wire time" is ``lost_seconds`` against ``phases["transfer"]`` and this, read from one record;
+* ``pause_seconds``: the lost time less the first step and the step in flight (the change's own time, which host
+  noise barely touches); ``steady_step_spread_seconds``: the slowest steady step less the fastest, the noise floor a
+  first step's excess is read against;
 * ``step_seconds_old`` / ``step_seconds_new``: median step time before and after (steady state); for a join,
   ``step_seconds_old`` ends when the joining node starts and ``step_seconds_preparing`` is the old world's median
   step while the joiner starts and warms its memory (on this host the joiner shares the cores: on separate nodes
@@ -134,8 +137,9 @@ def main() -> None:
                           f"(rank 0 working {_seconds(record['lost_cpu_seconds'])} of it, "
                           f"{_faults(record['extra_page_faults'])}, "
                           f"{_beyond_in_flight(record['lost_beyond_in_flight_seconds'])}downtime "
-                          f"{record['downtime_seconds']:.2f}s, steady step {_seconds(record['step_seconds_new'])}, first "
-                          f"step's excess {_seconds(record['first_step_excess_seconds'])}, rolled back "
+                          f"{record['downtime_seconds']:.2f}s, pause {_seconds(record['pause_seconds'])}, steady step "
+                          f"{_seconds(record['step_seconds_new'])} (spread {_seconds(record['steady_step_spread_seconds'])}), "
+                          f"first step's excess {_seconds(record['first_step_excess_seconds'])}, rolled back "
                           f"{record['steps_rolled_back']}) "
                           f"phases " + ", ".join(f"{k} {v:.2f}" for k, v in record["phases"].items())
                           + "; first step's excess by part " + ", ".join(
@@ -162,7 +166,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             path: {key: _median([r[key] for r in same if r["path"] == path])
                    for key in ("lost_seconds", "downtime_seconds", "step_seconds_new", "step_seconds_old",
                                "step_seconds_preparing", "first_step_excess_seconds", "lost_cpu_seconds",
-                               "extra_page_faults", "lost_beyond_in_flight_seconds")}
+                               "extra_page_faults", "lost_beyond_in_flight_seconds", "pause_seconds",
+                               "steady_step_spread_seconds")}
             for path in PATHS
         }
         key = model if event == "join" else f"{model}/{event}"

@@ -63,6 +63,15 @@ class LostTime:
     """Per part of a step (``forward``, ``backward``, ``optimizer``: see :mod:`~lightning_emig.strategy.step_times`),
     how much longer it ran in the first step beyond than in the steady one: where a first step's excess went. None
     where the lines carry no ``parts``."""
+    steady_step_spread_seconds: float = 0.0
+    """The slowest of the steady steps less the fastest: how far one step's time wanders on this host with nothing
+    changing. A ``first_step_excess_seconds`` within it is not told apart from a steady step (on a shared 2-core VM
+    the steps of one world differ by up to 2 s in 10)."""
+    pause_seconds: float | None = None
+    """The lost time that is neither the first step nor, after a failure, the step in flight: from the old world's
+    last step (or the death's detection) to the state in place and proven (``recovery_seconds`` less the event's
+    ``first_step`` and ``in_flight`` phases; on the restart path also the recomputed steps after the first). Unlike the
+    first step's excess, host noise barely touches it. None where the event has no ``first_step`` phase."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,13 +95,17 @@ def lost_time(event: dict[str, Any], times: list[dict[str, Any]], *, steady_step
     fastest = min(range(len(gaps)), key=gaps.__getitem__)
     steady = gaps[fastest]
     recovery = run[0]["time"] - last_old["time"]
-    first_step = (event.get("seconds") or {}).get("first_step")
+    phases = event.get("seconds") or {}
+    first_step = phases.get("first_step")
     return LostTime(lost_seconds=recovery - steady, recovery_seconds=recovery, steady_step_seconds=steady,
                     steady_steps=len(gaps), last_old_step=int(last_old["step"]),
                     first_step_excess_seconds=first_step - steady if first_step is not None else None,
                     lost_cpu_seconds=_beyond_steady("cpu", last_old, run, fastest),
                     extra_page_faults=_beyond_steady("faults", last_old, run, fastest),
-                    first_step_parts_excess=_parts_excess(last_old, run, fastest))
+                    first_step_parts_excess=_parts_excess(last_old, run, fastest),
+                    steady_step_spread_seconds=max(gaps) - steady,
+                    pause_seconds=(recovery - first_step - phases.get("in_flight", 0.0)
+                                   if first_step is not None else None))
 
 
 def _beyond_steady(counter: str, last_old: dict[str, Any], run: list[dict[str, Any]], fastest: int) -> Any:

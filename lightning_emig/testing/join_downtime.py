@@ -134,6 +134,8 @@ def event_record(run_dir: Path, name: str, path: str, event: dict[str, Any], *, 
         "lost_cpu_seconds": lost.lost_cpu_seconds if lost is not None else None,
         "extra_page_faults": lost.extra_page_faults if lost is not None else None,
         "first_step_parts_excess": lost.first_step_parts_excess if lost is not None else None,
+        "pause_seconds": lost.pause_seconds if lost is not None else None,
+        "steady_step_spread_seconds": lost.steady_step_spread_seconds if lost is not None else None,
         # A failure's goal: lose the step in flight (last boundary to the death) and at most a second more.
         "lost_beyond_in_flight_seconds": (lost.lost_seconds - event["seconds"]["in_flight"]
                                           if lost is not None and "in_flight" in event["seconds"] else None),
