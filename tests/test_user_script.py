@@ -143,6 +143,10 @@ def _check_run(tmp_path: Path, reference: Future[dict[str, float]], a_workers: l
     timed = [e for e in events_with_lost_time(run_dir)
              if e.get("downtime_seconds") is not None and e["step"] <= MAX_STEPS - 2]
     assert timed and all(e.get("lost_seconds") is not None for e in timed), timed
+    # A live change's lost time counts from the step it happened at (a step line on the new world, sooner than the
+    # old one's may lag, is not taken for it) and holds its pause.
+    live = [e for e in timed if e["kind"] != "restart" and not e.get("steps_rolled_back")]
+    assert all(e["last_old_step"] == e["step"] and 0 < e["pause_seconds"] < e["recovery_seconds"] for e in live), live
     return {"summary": summary, "callback_states": len(callbacks), "ledger": ledger, "worst": worst, "events": read_events(run_dir)}
 
 
