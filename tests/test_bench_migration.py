@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,3 +20,21 @@ def test_a_model_skips_the_transitions_its_shape_cannot_take() -> None:
     assert len(skipped) == 1 and skipped[0].startswith("tiny p2t2:p4: ") and "stages" in skipped[0]
     kept, skipped = transitions_for("llama_25m", transitions)
     assert [t.name for t in kept] == ["s4:t2s2", "p2t2:p4", "p2s2:s4"] and skipped == []
+
+
+def test_the_benchmark_moves_a_state_exactly_and_measures_both_limits_beside_it(tmp_path: Path) -> None:
+    """The whole tool on the smallest case (2 processes, one transition): direct migration bit-exact and within its
+    memory bound, and the link and host limits measured with the traffic it had (the survivor keeps its half, so the
+    host limit has local bytes to copy)."""
+    out = tmp_path / "migration.json"
+    tool = Path(__file__).resolve().parents[1] / "tools" / "bench_migration.py"
+    subprocess.run([sys.executable, str(tool), "--models", "tiny", "--world", "2", "--transitions", "s2:s1",
+                    "--methods", "direct", "--repeats", "1", "--timeout-s", "120", "--out", str(out)],
+                   check=True, timeout=300, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    (record,) = json.loads(out.read_text())
+    assert record["method"] == "direct" and record["transition"] == "s2:s1"
+    assert record["bit_exact"] and record["memory_run_bit_exact"] and record["within_memory_bound"]
+    # the leaver's half came over the wire (not the optimizer's step counts: the survivor holds its own alike)
+    assert 0.99 * record["old_state_bytes"] < record["bytes_moved"] <= record["old_state_bytes"]
+    assert record["bytes_copied"] > 0  # the survivor's own half, copied where the new layout wants it
+    assert record["link_limit_seconds"] > 0 and record["host_limit_seconds"] > 0
