@@ -190,12 +190,16 @@ class StepTimeRecorder(Callback):
             self._awaiting.remove(event)
             if lost is None:
                 continue
+            pause = "" if lost.pause_seconds is None else f"; the change itself {lost.pause_seconds:.2f}s"
             log.warning("%s at step %d: %.2fs of training lost (%.2fs to pass step %d again, minus a steady step of "
-                        "%.2fs); downtime %.2fs", event["kind"], event["step"], lost.lost_seconds,
-                        lost.recovery_seconds, lost.last_old_step, lost.steady_step_seconds, event["downtime_seconds"])
+                        "%.2fs%s); downtime %.2fs", event["kind"], event["step"], lost.lost_seconds,
+                        lost.recovery_seconds, lost.last_old_step, lost.steady_step_seconds, pause,
+                        event["downtime_seconds"])
+            metrics = {"event/lost_seconds": lost.lost_seconds, "event/recovery_seconds": lost.recovery_seconds}
+            if lost.pause_seconds is not None:
+                metrics["event/pause_seconds"] = lost.pause_seconds
             for logger in trainer.loggers:
-                logger.log_metrics({"event/lost_seconds": lost.lost_seconds,
-                                    "event/recovery_seconds": lost.recovery_seconds}, step=trainer.global_step)
+                logger.log_metrics(metrics, step=trainer.global_step)
 
     def _begin_restart(self, trainer: pl.Trainer) -> None:
         strategy: Any = trainer.strategy
