@@ -178,8 +178,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         }
         r = ratios[key]
         lost, down = (f"{r[name]:.1f}x" if r[name] is not None else "n/a" for name in ("lost_ratio", "downtime_ratio"))
-        print(f"{key}: time lost live {_seconds(r['live_lost_seconds'])}, restart {_seconds(r['restart_lost_seconds'])}"
-              f" -> restart/live {lost}; downtime live {_seconds(r['live_downtime_seconds'])}, restart "
+        print(f"{key}: time lost live {_seconds(r['live_lost_seconds'])} (pause {_seconds(r['live_pause_seconds'])}), "
+              f"restart {_seconds(r['restart_lost_seconds'])} -> restart/live {lost}; downtime live {_seconds(r['live_downtime_seconds'])}, restart "
               f"{_seconds(r['restart_downtime_seconds'])} ({down}); steady step "
               f"{_seconds(r['live_step_seconds_new'])}{_slowdown(r)}"
               + (f"; live lost {r['live_lost_beyond_in_flight_seconds']:.2f}s beyond the step in flight"
