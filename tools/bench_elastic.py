@@ -14,6 +14,9 @@ For every model, event and round, the event is run twice, one path after the oth
   worker gets SIGKILL (:mod:`lightning_emig.testing.departure_downtime`). ``live``: A rebuilds from its own replica
   and trains on alone (one ``failure`` event, 2 -> 1); ``restart``: torchrun restarts both workers from the newest
   checkpoint (one ``restart`` event, 2 -> 2).
+* ``node_failure`` (only when asked for): the same, but B's agent is SIGKILLed with its worker, the whole node gone:
+  nobody marks it dead, so the live path's survivor waits out ``elastic.heartbeat_timeout_s`` (default 10 s) before
+  it may take B for dead. Live path only: no agent sees that failure, and A's worker recovers by itself either way.
 * ``preempt``: A and B train sharded (FSDP); after ``--join-after`` steps B's agent gets SIGTERM, a preemption
   notice. ``live``: B hands its shards to A and exits (one ``preempt`` event, 2 -> 1); ``restart``: the notice is
   torchrun's SIGTERM, and A rolls back alone to the newest checkpoint (a ``failure`` event, 2 -> 1; A's worker is
@@ -71,16 +74,17 @@ sys.path.insert(0, str(REPO))
 from lightning_emig.testing.departure_downtime import measure_departure  # noqa: E402
 from lightning_emig.testing.join_downtime import PATHS, measure_join  # noqa: E402
 
-EVENTS = ("join", "preempt", "failure")
-DEPARTURES = {"preempt": "preemption", "failure": "worker_failure"}
+EVENTS = ("join", "preempt", "failure", "node_failure")
+DEPARTURES = {"preempt": "preemption", "failure": "worker_failure", "node_failure": "node_failure"}
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["tiny", "llama_25m"])
-    p.add_argument("--events", nargs="+", default=list(EVENTS), choices=EVENTS,
+    p.add_argument("--events", nargs="+", default=list(EVENTS[:3]), choices=EVENTS,
                    help="join: node B joins A (1 -> 2); preempt: B's agent gets a notice (2 -> 1); failure: B's "
-                        "worker is SIGKILLed under HSDP (2 -> 1 live)")
+                        "worker is SIGKILLed under HSDP (2 -> 1 live); node_failure: B's agent and worker are (not "
+                        "in the default set: the live path waits out the heartbeat timeout)")
     p.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS),
                    help="live: the change moves the state between running workers; restart: torchrun's behaviour "
                         "(every worker restarts from the newest checkpoint); ratios need both")
@@ -127,6 +131,10 @@ def main() -> None:
         for event in args.events:
             for round_index in range(args.rounds):
                 for path in args.paths:
+                    if event == "node_failure" and path == "restart":
+                        print(f"{model:10s} {event:8s} {path:8s} round {round_index}: skipped (no restart path: "
+                              "with the whole node gone no agent sees a failure)", flush=True)
+                        continue
                     run_dir = work / f"{model}-{event}-{path}-{round_index}"
                     record = run_event(args, event, model, path, run_dir)
                     # Measured: its checkpoints (2.8 GB a run at llama_125m) go; logs and events stay.

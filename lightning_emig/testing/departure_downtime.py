@@ -11,6 +11,11 @@ event (plus what it recomputes) every agent is stopped. How B leaves:
   (a fresh worker rejoining would be a ``join``, another event, and would leave no steady step of the world of one).
   ``restart``: every worker is stopped and started again, loads the newest checkpoint and recomputes the steps
   after it (one ``restart`` event, 2 -> 2);
+* ``node_failure``: B's agent and worker get SIGKILL, under ``layout=hsdp``: the whole node gone, so nobody marks
+  it dead and the survivor tells it from a slow one by its heartbeat (``elastic.heartbeat_timeout_s``). ``live``
+  only: as ``worker_failure`` (one ``failure`` event, 2 -> 1). There is no restart path to compare with: with B's
+  agent gone, no agent sees a failure, and A's worker recovers by itself on either path (measured: the same
+  ``failure`` event, rebuilt from the replica);
 * ``preemption``: B's agent gets SIGTERM (the notice a cloud gives a preempted VM), under the default sharded
   layout. ``live``: B's worker hands its shards over point to point and exits; A trains on alone (one ``preempt``
   event, 2 -> 1). ``restart``: the notice is torchrun's SIGTERM (B's agent kills its worker and exits); A's worker
@@ -37,17 +42,18 @@ from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.join_downtime import PATHS, event_record, last_step
 from lightning_emig.testing.nodes import log_tail, start_node, wait_for
 
-How = Literal["worker_failure", "preemption"]
+How = Literal["worker_failure", "node_failure", "preemption"]
 
 EVENT: dict[tuple[How, str], tuple[str, int, int]] = {
     ("worker_failure", "live"): ("failure", 2, 1),
     ("worker_failure", "restart"): ("restart", 2, 2),
+    ("node_failure", "live"): ("failure", 2, 1),
     ("preemption", "live"): ("preempt", 2, 1),
     ("preemption", "restart"): ("failure", 2, 1),
 }
 """(kind, old world, new world) of the event each path records for each way of leaving."""
 
-LAYOUT: dict[How, list[str]] = {"worker_failure": ["layout=hsdp"], "preemption": []}
+LAYOUT: dict[How, list[str]] = {"worker_failure": ["layout=hsdp"], "node_failure": ["layout=hsdp"], "preemption": []}
 """A live rebuild after a failure needs a replica; a drain moves shards, so the default sharded layout."""
 
 
@@ -56,6 +62,8 @@ def measure_departure(
     timeout_s: float,
 ) -> dict[str, Any]:
     """Node B leaves ``how`` on ``path`` (``live`` or ``restart``); returns the event's record."""
+    if (how, path) not in EVENT:
+        raise ValueError(f"{how} has no {path} path to measure (see lightning_emig.testing.departure_downtime)")
     port = free_port()
     agents: dict[str, subprocess.Popen] = {}
     # torchrun's restart path restarts every worker (a restart each); live, B's node stays out after its worker died,
@@ -80,7 +88,7 @@ def measure_departure(
         return last_step(run_dir, 2) >= after and newest_checkpoint(run_dir / "checkpoints") is not None
 
     def recovered() -> bool:
-        alive(["a"] if how == "preemption" or b_stays_out else list(agents))  # B's agent exits then
+        alive(["a"] if how != "worker_failure" or b_stays_out else list(agents))  # B's agent exits, or was killed
         event = _event(run_dir, kind)
         return event is not None and max(last_step(run_dir, w) for w in (1, 2)) >= (
             event["step"] + (event.get("steps_rolled_back") or 0) + steps_after)
@@ -89,6 +97,8 @@ def measure_departure(
         wait_for(ready, timeout_s, f"the world of two did not reach step {after} with a checkpoint")
         if how == "preemption":
             agents["b"].send_signal(signal.SIGTERM)
+        elif how == "node_failure":
+            kill_tree(agents["b"].pid)
         else:
             for pid in [p for p in descendants(agents["b"].pid) if is_alive(p)]:
                 os.kill(pid, signal.SIGKILL)
