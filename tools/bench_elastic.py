@@ -71,7 +71,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from lightning_emig.testing.departure_downtime import measure_departure  # noqa: E402
+from lightning_emig.testing.departure_downtime import has_path, measure_departure  # noqa: E402
 from lightning_emig.testing.join_downtime import PATHS, measure_join  # noqa: E402
 
 EVENTS = ("join", "preempt", "failure", "node_failure")
@@ -83,8 +83,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--models", nargs="+", default=["tiny", "llama_25m"])
     p.add_argument("--events", nargs="+", default=list(EVENTS[:3]), choices=EVENTS,
                    help="join: node B joins A (1 -> 2); preempt: B's agent gets a notice (2 -> 1); failure: B's "
-                        "worker is SIGKILLed under HSDP (2 -> 1 live); node_failure: B's agent and worker are (not "
-                        "in the default set: the live path waits out the heartbeat timeout)")
+                        "worker is SIGKILLed under HSDP (2 -> 1 live); node_failure: B's agent is SIGKILLed with its "
+                        "worker (live only; not in the default set: the live path waits out the heartbeat timeout)")
     p.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS),
                    help="live: the change moves the state between running workers; restart: torchrun's behaviour "
                         "(every worker restarts from the newest checkpoint); ratios need both")
@@ -131,8 +131,8 @@ def main() -> None:
         for event in args.events:
             for round_index in range(args.rounds):
                 for path in args.paths:
-                    if event == "node_failure" and path == "restart":
-                        print(f"{model:10s} {event:8s} {path:8s} round {round_index}: skipped (no restart path: "
+                    if event in DEPARTURES and not has_path(DEPARTURES[event], path):
+                        print(f"{model:10s} {event:8s} {path:8s} round {round_index}: skipped (no {path} path: "
                               "with the whole node gone no agent sees a failure)", flush=True)
                         continue
                     run_dir = work / f"{model}-{event}-{path}-{round_index}"
@@ -146,7 +146,8 @@ def main() -> None:
                           f"{_faults(record['extra_page_faults'])}, "
                           f"{_beyond_in_flight(record['lost_beyond_in_flight_seconds'])}downtime "
                           f"{record['downtime_seconds']:.2f}s, pause {_seconds(record['pause_seconds'])}, steady step "
-                          f"{_seconds(record['step_seconds_new'])} (spread {_seconds(record['steady_step_spread_seconds'])}), "
+                          f"{_seconds(record['step_seconds_new'])} "
+                          f"(spread {_seconds(record['steady_step_spread_seconds'])}), "
                           f"first step's excess {_seconds(record['first_step_excess_seconds'])}, rolled back "
                           f"{record['steps_rolled_back']}) "
                           f"phases " + ", ".join(f"{k} {v:.2f}" for k, v in record["phases"].items())
@@ -187,7 +188,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         r = ratios[key]
         lost, down = (f"{r[name]:.1f}x" if r[name] is not None else "n/a" for name in ("lost_ratio", "downtime_ratio"))
         print(f"{key}: time lost live {_seconds(r['live_lost_seconds'])} (pause {_seconds(r['live_pause_seconds'])}), "
-              f"restart {_seconds(r['restart_lost_seconds'])} -> restart/live {lost}; downtime live {_seconds(r['live_downtime_seconds'])}, restart "
+              f"restart {_seconds(r['restart_lost_seconds'])} -> restart/live {lost}; "
+              f"downtime live {_seconds(r['live_downtime_seconds'])}, restart "
               f"{_seconds(r['restart_downtime_seconds'])} ({down}); steady step "
               f"{_seconds(r['live_step_seconds_new'])}{_slowdown(r)}"
               + (f"; live lost {r['live_lost_beyond_in_flight_seconds']:.2f}s beyond the step in flight"

@@ -69,9 +69,10 @@ class LostTime:
     the steps of one world differ by up to 2 s in 10)."""
     pause_seconds: float | None = None
     """The lost time that is neither the first step nor, after a failure, the step in flight: from the old world's
-    last step (after a failure: from when the death was first known) to the state in place and proven (``recovery_seconds`` less the event's
-    ``first_step`` and ``in_flight`` phases; on the restart path also the recomputed steps after the first). Unlike the
-    first step's excess, host noise barely touches it. None where the event has no ``first_step`` phase."""
+    last step (after a failure: from when the death was first known) to the state in place and proven
+    (``recovery_seconds`` less the event's ``first_step`` and ``in_flight`` phases; on the restart path also the
+    recomputed steps after the first). Unlike the first step's excess, host noise barely touches it. None where the
+    event has no ``first_step`` phase."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

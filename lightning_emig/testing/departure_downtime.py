@@ -57,12 +57,17 @@ LAYOUT: dict[How, list[str]] = {"worker_failure": ["layout=hsdp"], "node_failure
 """A live rebuild after a failure needs a replica; a drain moves shards, so the default sharded layout."""
 
 
+def has_path(how: How, path: str) -> bool:
+    """Whether leaving ``how`` can be measured on ``path`` (a node gone whole has no restart path)."""
+    return (how, path) in EVENT
+
+
 def measure_departure(
     run_dir: Path, train_args: Sequence[str], path: str, *, how: How, model: str, after: int, steps_after: int,
     timeout_s: float,
 ) -> dict[str, Any]:
     """Node B leaves ``how`` on ``path`` (``live`` or ``restart``); returns the event's record."""
-    if (how, path) not in EVENT:
+    if not has_path(how, path):
         raise ValueError(f"{how} has no {path} path to measure (see lightning_emig.testing.departure_downtime)")
     port = free_port()
     agents: dict[str, subprocess.Popen] = {}
