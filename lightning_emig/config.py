@@ -102,6 +102,10 @@ class ElasticSection:
     """Under lightning-emig-run every worker writes a heartbeat into the control store this often."""
     heartbeat_timeout_s: float = 10.0
     """A worker whose heartbeat is older than this, after a collective failed, is taken for dead."""
+    watch_exits: bool = True
+    """Each worker keeps a TCP connection open to another; when the process behind it exits (its node killed whole,
+    agent and all), it is taken for dead at once instead of at ``heartbeat_timeout_s`` (a host that vanished, or a
+    frozen process, still waits for the heartbeat)."""
     failure_timeout_s: float = 120.0
     """After a collective failed: how long survivors wait to learn who is alive before giving up (exit)."""
     below_min_timeout_s: float = 300.0

@@ -112,7 +112,7 @@ def test_survivors_are_the_nodes_whose_every_worker_reported() -> None:
     store.set(dead_key("b"), "{}")  # b's agent saw its worker die
     decision = _decide_survivors(store, info, FailureSettings(failure_timeout_s=5))
     # Rank 2 reported but its node failed: its agent stops it, so it is no survivor.
-    assert decision == {"survivors": [0, 1, 4, 5], "dead_nodes": ["b"]}
+    assert decision == {"survivors": [0, 1, 4, 5], "dead_nodes": ["b"], "found_by": {"b": "its agent's mark"}}
 
 
 def test_a_silent_worker_is_dead_once_its_heartbeat_is_stale() -> None:
@@ -126,7 +126,8 @@ def test_a_silent_worker_is_dead_once_its_heartbeat_is_stale() -> None:
     store.set(heartbeat_key("b", 0), str(last_beat))  # beat a second ago, then never again
     decision = _decide_survivors(store, info, FailureSettings(heartbeat_timeout_s=2.0, failure_timeout_s=10))
     # When it was last seen alive: the detect phase runs from there (see _detection_phases).
-    assert decision == {"survivors": [0, 2], "dead_nodes": ["b"], "last_seen_alive": last_beat}
+    assert decision == {"survivors": [0, 2], "dead_nodes": ["b"], "last_seen_alive": last_beat,
+                        "found_by": {"b": "worker 0's heartbeat stopped"}}
     assert time.monotonic() - started >= 2.0  # it waited until the heartbeat had not changed for the timeout
 
 

@@ -19,8 +19,12 @@ The hooks raise only between a micro-batch's start (``on_train_batch_start``) an
 (``on_before_optimizer_step``): in the training step's forward and backward, which only read the state. Never after
 the optimizer wrote the state and before the next boundary captured it (a callback's forward at the batch's end, a
 closure an optimizer evaluates again after updating), where the survivors would hold no consistent step and roll
-back; nor in validation. There, and where the agent cannot mark the death (the whole node gone), it is noticed as
-before: by a collective's error or a stale heartbeat.
+back; nor in validation. There, it is noticed as before: by a collective's error.
+
+Where no agent is left to mark the death (the whole node gone), the same thread also watches one peer's process
+(:mod:`~lightning_emig.membership.exit_watch`): the process exits, the watcher marks it and writes ``last_death``, and
+every death watch of its generation notices it as it would an agent's mark. A host that vanished or a frozen process
+is still noticed by a collective's error or a stale heartbeat.
 Outside ``lightning-emig-run``, and on torchrun's restart path (its agents mark nothing), the thread sees no mark.
 """
 
@@ -43,9 +47,11 @@ from lightning_emig.launcher.generation import (
     ENV_NODE_ID,
     LAST_DEATH_KEY,
     control_client_from_env,
+    node_host,
     read_dead_mark,
     read_generation,
 )
+from lightning_emig.membership.exit_watch import ExitListener, ExitWatch, member_exited
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -67,14 +73,22 @@ class DeathWatch:
     """The thread of one process (see the module); ``generation`` says, whenever asked, which generation it trains in."""
 
     def __init__(self, generation: Callable[[], int], *, node_id: str | None = None, client: Any = None,
-                 poll_s: float = POLL_S) -> None:
+                 poll_s: float = POLL_S, exits: bool = False, local_rank: int | None = None) -> None:
+        """``exits``: also listen, and watch the member after this one, for a process that exits
+        (:mod:`~lightning_emig.membership.exit_watch`); this process is worker ``local_rank`` of ``node_id``."""
         self._generation = generation
         self._node_id = node_id or os.environ[ENV_NODE_ID]
         self._client = client if client is not None else control_client_from_env(timeout_s=10.0)
         self._poll_s = poll_s
+        self._listener: ExitListener | None = None
+        self._exits: ExitWatch | None = None
+        if exits:
+            local_rank = int(os.environ["LOCAL_RANK"]) if local_rank is None else local_rank
+            self._listener = ExitListener(self._client, self._node_id, local_rank, node_host(self._node_id))
+            self._exits = ExitWatch(self._client, self._node_id, local_rank)
         self._noticed: dict[int, str] = {}
         """Generation -> what was noticed (written by the thread, read by the training thread: one dict store)."""
-        self._others: dict[int, list[str]] = {}
+        self._others: dict[int, list[tuple[str, int]]] = {}
         self._looked_at: tuple[bytes | None, int] | None = None
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lightning-emig-death-watch", daemon=True)
@@ -92,13 +106,28 @@ class DeathWatch:
     def stop(self) -> None:
         self._stopped.set()
         self._thread.join(timeout=15.0)
+        for closing in (self._exits, self._listener):
+            if closing is not None:
+                closing.close()
 
     def _run(self) -> None:
         while not self._stopped.wait(self._poll_s):
             try:
+                self.watch_exits()
                 self.look()
             except Exception:  # noqa: BLE001 - the store may be gone at the very end of the job
                 log.debug("death watch: reading the control store failed", exc_info=True)
+
+    def watch_exits(self) -> None:
+        """One poll of the exit watch (the thread's; public for tests); nothing when it is off."""
+        if self._listener is None or self._exits is None:
+            return
+        self._listener.accept_pending()
+        generation = self._generation()
+        self._listener.entered(generation)
+        exited = self._exits.poll(generation, lambda: read_generation(self._client, generation))
+        if exited is not None:
+            log.error("death watch: %s", exited)
 
     def look(self) -> None:
         """One poll (the thread's; public for tests)."""
@@ -109,33 +138,49 @@ class DeathWatch:
         last = client.get(LAST_DEATH_KEY) if client.check([LAST_DEATH_KEY]) else None
         if last is None or (last, generation) == self._looked_at:
             return
-        for node_id in self._other_nodes(generation):
-            mark = read_dead_mark(client, node_id)
-            if mark is not None:
-                marked = mark.get("time")
-                after = "" if marked is None else f", noticed {max(0.0, time.time() - float(marked)):.2f}s after its mark"
-                self._noticed[generation] = (f"node {node_id} of generation {generation} was marked dead by its agent "
-                                             f"(a worker of it died{after}, before any collective failed here)")
+        for node_id, local_ranks in self._other_nodes(generation):
+            noticed = _death_of(client, node_id, local_ranks, generation)
+            if noticed is not None:
+                self._noticed[generation] = (f"node {node_id} of generation {generation} {noticed} (before any "
+                                             "collective failed here)")
                 log.error("death watch: %s", self._noticed[generation])
                 return
         self._looked_at = (last, generation)  # only once looked at: a poll that failed halfway is made again
 
-    def _other_nodes(self, generation: int) -> list[str]:
+    def _other_nodes(self, generation: int) -> list[tuple[str, int]]:
+        """The other nodes of ``generation``: (node id, how many workers)."""
         if generation not in self._others:
             nodes = read_generation(self._client, generation).nodes
-            self._others[generation] = [node.node_id for node in nodes if node.node_id != self._node_id]
+            self._others[generation] = [(node.node_id, len(node.ranks)) for node in nodes
+                                        if node.node_id != self._node_id]
         return self._others[generation]
+
+
+def _death_of(client: Any, node_id: str, local_ranks: int, generation: int) -> str | None:
+    """How a node is known dead — its agent's mark, or a worker's process seen exiting — or None."""
+    mark = read_dead_mark(client, node_id)
+    if mark is not None:
+        marked = mark.get("time")
+        after = "" if marked is None else f", noticed {max(0.0, time.time() - float(marked)):.2f}s after its mark"
+        return f"was marked dead by its agent (a worker of it died{after})"
+    for local_rank in range(local_ranks):
+        exited = member_exited(client, node_id, local_rank, generation)
+        if exited is not None:
+            after = f", noticed {max(0.0, time.time() - float(exited['time'])):.2f}s after"
+            return f"lost worker {local_rank}: its process exited (seen by node {exited['by']}{after})"
+    return None
 
 
 _watching: DeathWatch | None = None
 
 
-def start_death_watch(generation: Callable[[], int]) -> DeathWatch:
+def start_death_watch(generation: Callable[[], int], *, exits: bool = True) -> DeathWatch:
     """This process's death watch (idempotent: later calls return the running one); stopped and joined at exit, as
-    the heartbeat is (a daemon thread inside a store call at finalization aborts the process)."""
+    the heartbeat is (a daemon thread inside a store call at finalization aborts the process). ``exits``:
+    ``elastic.watch_exits``."""
     global _watching
     if _watching is None:
-        _watching = DeathWatch(generation)
+        _watching = DeathWatch(generation, exits=exits)
         atexit.register(_watching.stop)
     return _watching
 

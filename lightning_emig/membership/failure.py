@@ -61,6 +61,7 @@ from lightning_emig.launcher.generation import (
     read_generation,
 )
 from lightning_emig.launcher.heartbeat import HeartbeatWatch
+from lightning_emig.membership.exit_watch import member_exited
 from lightning_emig.membership.group import enter_generation
 from lightning_emig.membership.handoff import LiveHandoff
 from lightning_emig.membership.settings import FailureSettings
@@ -244,6 +245,9 @@ def _recover_once(
     detected = _detection_phases(started_wall, decision, stash.last_step_wall if stash is not None else None)
     if not decision["dead_nodes"] and held is None:  # everyone reported: no peer died, not a failure we can mend
         raise error
+    if decision["survivors"] and rank == decision["survivors"][0]:
+        log.error("found dead in generation %d: %s", generation,
+                  "; ".join(f"node {node} ({how})" for node, how in decision.get("found_by", {}).items()))
 
     started = time.perf_counter()
     survivors: list[int] = decision["survivors"]
@@ -346,15 +350,21 @@ def _decide_survivors(
                 f"{timeout_s:.0f}s (elastic.failure_timeout_s, at least the collective timeout); giving up"
             )
         reported = {rank for _, _, rank in members if client.check([report_key(scope, rank)])}
-        marked = {node for node, _, _ in members if client.check([dead_key(node)])}
-        dead_nodes = marked | {node for node, local_rank, rank in members if rank not in reported
-                               and heartbeats.stale(node, local_rank)}
+        found_by = {node: "its agent's mark" for node, _, _ in members if client.check([dead_key(node)])}
+        for node, local_rank, rank in members:
+            if rank in reported or node in found_by:
+                continue
+            if member_exited(client, node, local_rank, info.generation) is not None:  # before its heartbeat could go stale
+                found_by[node] = f"worker {local_rank}'s process exited"
+            elif heartbeats.stale(node, local_rank):
+                found_by[node] = f"worker {local_rank}'s heartbeat stopped"
+        dead_nodes = set(found_by)
         accounted = all(rank in reported or node in dead_nodes for node, _, rank in members)
         if accounted:
             survivors = sorted(rank for node, _, rank in members if rank in reported and node not in dead_nodes)
-            decided = {"survivors": survivors, "dead_nodes": sorted(dead_nodes)}
+            decided = {"survivors": survivors, "dead_nodes": sorted(dead_nodes), "found_by": found_by}
             seen = [t for node, local_rank, _ in members if node in dead_nodes
-                    if (t := _last_seen_alive(client, node, local_rank)) is not None]
+                    if (t := _last_seen_alive(client, node, local_rank, info.generation)) is not None]
             if seen:
                 decided["last_seen_alive"] = min(seen)
             proposal = json.dumps(decided)
@@ -364,10 +374,11 @@ def _decide_survivors(
     return json.loads(client.get(key))
 
 
-def _last_seen_alive(client: Any, node_id: str, local_rank: int) -> float | None:
+def _last_seen_alive(client: Any, node_id: str, local_rank: int, generation: int) -> float | None:
     """When a dead worker was last known alive (``time.time()`` on its own host): its agent's ``dead/`` mark, else
-    its last heartbeat; None when neither says. For the report's phases only (see :func:`_detection_phases`)."""
-    marked = read_dead_mark(client, node_id)
+    the mark of its process's exit (:mod:`~lightning_emig.membership.exit_watch`), else its last heartbeat; None when
+    none says. For the report's phases only (see :func:`_detection_phases`)."""
+    marked = read_dead_mark(client, node_id) or member_exited(client, node_id, local_rank, generation)
     if marked is not None and "time" in marked:
         return float(marked["time"])
     beat = heartbeat_key(node_id, local_rank)

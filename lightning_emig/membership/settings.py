@@ -38,6 +38,8 @@ class FailureSettings:
     heartbeat_timeout_s: float = 10.0
     failure_timeout_s: float = 120.0
     below_min_timeout_s: float = 300.0
+    watch_exits: bool = True
+    """Take a peer whose process exited for dead at once (:mod:`~lightning_emig.membership.exit_watch`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -193,7 +193,8 @@ class ElasticMigrationStrategy(HybridLayoutStrategy):
             if self.root_device.type == "cpu":
                 keep_freed_host_memory()  # each step reuses the last one's pages (see lightning_emig.host_memory)
             start_heartbeat(self.failure_settings.heartbeat_interval_s, self.failure_settings.heartbeat_timeout_s)
-            start_death_watch(lambda: self.generation)  # a peer's death stops this process's compute at once
+            # A peer's death stops this process's compute at once.
+            start_death_watch(lambda: self.generation, exits=self.failure_settings.watch_exits)
         self.generation = form_generation_group(Arrival(
             generation=self.generation, live_join=self.live_join, handoff=self._incoming.handoff,
             backend=self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo"),

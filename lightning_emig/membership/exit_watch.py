@@ -1,0 +1,279 @@
+"""A peer whose process is gone, noticed by one of its peers in a tenth of a second instead of at the heartbeat timeout.
+
+When a worker dies its agent marks the node dead at once (:mod:`~lightning_emig.membership.death_watch`). When the
+node goes *whole* — its agent killed with its workers: an OOM killer or a cancelled job step taking the process tree,
+``kill -9`` of the agent — nobody marks it, and the survivors took it for dead only once its heartbeat had not changed
+for ``elastic.heartbeat_timeout_s`` (10 s by default; :mod:`~lightning_emig.launcher.heartbeat`). Yet the host's kernel,
+still running, closes a dead process's sockets at once. So:
+
+* every worker under ``lightning-emig-run`` listens on a TCP socket of its node's address (:class:`ExitListener`;
+  nothing is ever read or written on it) and publishes it as ``endpoint/<node_id>/<local_rank>`` =
+  ``"<host> <port> <pid>"`` before it joins any generation;
+* each worker keeps one connection open to the member after it in its generation's rank order (:class:`ExitWatch`,
+  driven by the death watch's thread: no thread of its own, no call that blocks). When the connection ends (end of
+  stream or reset), or a new one is refused, the process behind that endpoint has exited: the watcher writes
+  ``exited/<node_id>/<local_rank>`` = that endpoint and :data:`~lightning_emig.launcher.generation.LAST_DEATH_KEY`
+  (which every death watch reads), then watches the member after the one that exited (a ring: two dead neighbours
+  are both found).
+
+The failure's survivors (:mod:`~lightning_emig.membership.failure`) and every death watch take a member of their
+generation for dead when a mark names its current endpoint and was written by a watcher of that generation or a later
+one (:func:`member_exited`). A mark names a process, not a place: a fresh worker at the same node and local rank
+publishes another endpoint as it starts, and an old mark says nothing about it; until it has, the dead one's endpoint
+is still published, so a refused connection counts only once the endpoint's process said it entered the generation
+watched (``entered/<node_id>/<local_rank>``), and a mark from an earlier generation never counts. A process that left
+on purpose (a preempted node after its handoff, the end of the job) is marked too, truthfully; no generation it is
+still a member of is trained in by then.
+
+What this cannot see: a host that vanished (power, kernel, network) closes nothing, and a frozen process keeps its
+sockets; both are still taken for dead at the heartbeat timeout. A listening socket is reachable wherever the
+process group's own sockets are (gloo and NCCL listen on ephemeral ports of the same address), so a refusal means no
+listener, not a firewall. ``elastic.watch_exits: false`` turns it off.
+
+A ``DataLoader``'s worker processes are forked with every descriptor of their parent: they close this module's sockets
+as they start (:func:`os.register_at_fork`), or a dead worker's connections would stay open for as long as its loader
+processes live.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import select
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from lightning_emig.launcher.generation import LAST_DEATH_KEY, GenerationInfo
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 1.0
+"""How long a watcher waits before it tries again to reach a member whose endpoint is not published yet or whose
+connection could not be made (no answer: that host may have vanished; the heartbeat decides then)."""
+
+_open_sockets: list[socket.socket] = []
+"""Every socket of this module in this process, closed in a forked child (see the module)."""
+
+
+def _close_in_forked_child() -> None:
+    for sock in _open_sockets:
+        sock.close()  # this process's copy only: the parent's socket stays open, no end of stream is sent
+    _open_sockets.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_forked_child)
+
+
+def _track(sock: socket.socket) -> socket.socket:
+    _open_sockets.append(sock)
+    return sock
+
+
+def _close(sock: socket.socket) -> None:
+    sock.close()
+    if sock in _open_sockets:
+        _open_sockets.remove(sock)
+
+
+def endpoint_key(node_id: str, local_rank: int) -> str:
+    return f"endpoint/{node_id}/{local_rank}"
+
+
+def entered_key(node_id: str, local_rank: int) -> str:
+    """The last generation the process behind ``endpoint/`` entered (written as it enters one)."""
+    return f"entered/{node_id}/{local_rank}"
+
+
+def exited_key(node_id: str, local_rank: int) -> str:
+    return f"exited/{node_id}/{local_rank}"
+
+
+def member_exited(client: Any, node_id: str, local_rank: int, generation: int) -> dict[str, Any] | None:
+    """The ``exited/`` mark of a member of ``generation`` (``{"endpoint", "time", "by", "generation"}``), or None: not
+    marked, or the mark names an earlier process at that node and local rank — another endpoint, or one seen exiting
+    by a watcher of an earlier generation (a fresh process that has not published its endpoint yet leaves the dead
+    one's in place)."""
+    mark_key, current_key = exited_key(node_id, local_rank), endpoint_key(node_id, local_rank)
+    if not client.check([mark_key]) or not client.check([current_key]):
+        return None
+    mark = json.loads(client.get(mark_key))
+    current = mark.get("endpoint") == client.get(current_key).decode()
+    return mark if current and int(mark.get("generation", -1)) >= generation else None
+
+
+def _read_int(client: Any, key: str) -> int:
+    return int(client.get(key)) if client.check([key]) else -1
+
+
+class ExitListener:
+    """This process's listening socket (see the module). Connections are accepted, held and never read; the kernel
+    completes them before they are accepted, so :meth:`accept_pending` is called only to keep the queue short."""
+
+    def __init__(self, client: Any, node_id: str, local_rank: int, host: str) -> None:
+        self._sock = _track(socket.create_server((host, 0), backlog=64))
+        self._sock.setblocking(False)
+        self._held: list[socket.socket] = []
+        self._client, self._entered_key = client, entered_key(node_id, local_rank)
+        self._entered = -1
+        port = self._sock.getsockname()[1]
+        self.endpoint = f"{host} {port} {os.getpid()}"
+        client.delete_key(self._entered_key)  # an earlier process's: this one entered nothing yet
+        client.set(endpoint_key(node_id, local_rank), self.endpoint)
+
+    def entered(self, generation: int) -> None:
+        """This process is in ``generation`` now: a watcher may take a refused connection for its exit (before, the
+        refusal might be an earlier process's endpoint's)."""
+        if generation > self._entered:
+            self._client.set(self._entered_key, str(generation))
+            self._entered = generation
+
+    def accept_pending(self) -> None:
+        """Accept what is queued; let go of the connections their watchers closed (they moved to another member)."""
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                break
+            conn.setblocking(False)
+            self._held.append(_track(conn))
+        for conn in [c for c in self._held if _ended(c)]:
+            self._held.remove(conn)
+            _close(conn)
+
+    def close(self) -> None:
+        for sock in [self._sock, *self._held]:
+            _close(sock)
+        self._held.clear()
+
+
+def _ended(conn: socket.socket) -> bool:
+    """Whether the other end of a connection has gone (end of stream, reset); never blocks."""
+    readable, _, _ = select.select([conn], [], [], 0)
+    if not readable:
+        return False
+    try:
+        return conn.recv(1) == b""  # nothing is ever sent here: readable means the end (or a stray byte: alive)
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
+
+
+class ExitWatch:
+    """One process's watch over the member after it (see the module). :meth:`poll` never blocks: the connection is
+    made without waiting and looked at again on the next poll; the store is read only when the member watched
+    changes (another generation, an exit seen)."""
+
+    def __init__(self, client: Any, node_id: str, local_rank: int) -> None:
+        self._client = client
+        self._me = (node_id, local_rank)
+        self._generation = -1
+        self._ring: list[tuple[str, int]] = []
+        """The members of the generation followed, in rank order."""
+        self._gone: set[str] = set()
+        """Endpoints this watch saw exit: the ring skips their members."""
+        self._target: tuple[str, int] | None = None
+        self._endpoint: str | None = None
+        self._entered = -1
+        """The last generation the watched endpoint's process said it entered (when the connection was made)."""
+        self._sock: socket.socket | None = None
+        self._connected = False
+        self._retry_at = 0.0
+
+    def poll(self, generation: int, members: Callable[[], GenerationInfo]) -> str | None:
+        """Follow the member after this process in ``generation`` (-1: none), whose members ``members`` reads when
+        the generation is new; returns what was noticed exiting this time (a message), if anything."""
+        if generation != self._generation:
+            self._drop()
+            self._generation, self._target = generation, None
+            self._ring = _ring(members()) if generation >= 0 else []
+        if self._target is None:
+            self._target = self._successor()
+            if self._target is None:
+                return None
+        if self._sock is None:
+            return self._connect() if time.monotonic() >= self._retry_at else None
+        if not self._connected:
+            return self._finish_connect()
+        return self._exited("its connection closed") if _ended(self._sock) else None
+
+    def close(self) -> None:
+        self._drop()
+
+    def _successor(self) -> tuple[str, int] | None:
+        if self._me not in self._ring:
+            return None
+        mine = self._ring.index(self._me)
+        for step in range(1, len(self._ring)):
+            candidate = self._ring[(mine + step) % len(self._ring)]
+            if self._read_endpoint(candidate) not in self._gone:
+                self._retry_at = 0.0
+                return candidate
+        return None
+
+    def _read_endpoint(self, member: tuple[str, int]) -> str | None:
+        key = endpoint_key(*member)
+        return self._client.get(key).decode() if self._client.check([key]) else None
+
+    def _connect(self) -> str | None:
+        assert self._target is not None
+        self._endpoint = self._read_endpoint(self._target)
+        if self._endpoint is None:  # not started yet, or not under the launcher: look again later
+            self._retry_at = time.monotonic() + RETRY_S
+            return None
+        self._entered = _read_int(self._client, entered_key(*self._target))
+        host, port, _pid = self._endpoint.split()
+        sock = _track(socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM))
+        sock.setblocking(False)
+        self._sock, self._connected = sock, False
+        code = sock.connect_ex((host, int(port)))
+        if code in (0, errno.EINPROGRESS, errno.EAGAIN, errno.EWOULDBLOCK):
+            return self._finish_connect()
+        return self._failed_connect(code)
+
+    def _finish_connect(self) -> str | None:
+        assert self._sock is not None
+        _, writable, _ = select.select([], [self._sock], [], 0)
+        if not writable:
+            return None  # still connecting
+        code = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if code == 0:
+            self._connected = True
+            return None
+        return self._failed_connect(code)
+
+    def _failed_connect(self, code: int) -> str | None:
+        if code == errno.ECONNREFUSED and self._entered >= self._generation:  # nothing listens there any more
+            return self._exited("its endpoint refused a connection")
+        log.debug("exit watch: could not reach %s (%s); trying again", self._endpoint, os.strerror(code))
+        self._drop()
+        self._retry_at = time.monotonic() + RETRY_S
+        return None
+
+    def _exited(self, how: str) -> str:
+        assert self._target is not None and self._endpoint is not None
+        node_id, local_rank = self._target
+        self._client.set(exited_key(node_id, local_rank), json.dumps(
+            {"endpoint": self._endpoint, "time": time.time(), "by": self._me[0], "generation": self._generation}))
+        self._client.set(LAST_DEATH_KEY, json.dumps({"node_id": node_id, "time": time.time(), "exited": True}))
+        self._gone.add(self._endpoint)
+        message = f"the process of node {node_id}'s worker {local_rank} exited ({how}, seen from node {self._me[0]})"
+        self._drop()
+        self._target = None  # the next poll moves on to the member after it
+        return message
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            _close(self._sock)
+        self._sock, self._connected, self._endpoint = None, False, None
+
+
+def _ring(members: GenerationInfo) -> list[tuple[str, int]]:
+    """A generation's members, (node id, local rank), in rank order."""
+    ranked = sorted((rank, node.node_id, local_rank) for node in members.nodes
+                    for local_rank, rank in enumerate(node.ranks))
+    return [(node_id, local_rank) for _, node_id, local_rank in ranked]
