@@ -9,8 +9,10 @@ Nodes are ``lightning-emig-run`` agents with one worker each on distinct loopbac
 * after ``steps_between`` more steps B's agent gets SIGTERM: a **preemption with notice**, B hands its state
   to A and C and leaves, world 3 -> 2;
 * after ``steps_between`` more steps node C is killed whole (SIGKILL of agent and worker): an abrupt **failure**,
-  world 2 -> 1. A notices through C's stale heartbeat and rebuilds from replicas (HSDP: A holds a whole copy) or,
-  without replicas (FSDP), rolls back to the last periodic checkpoint;
+  world 2 -> 1. A notices as C's process exits (its connection to C closes:
+  :mod:`~lightning_emig.membership.exit_watch`; a host that vanished would be noticed by its stale heartbeat) and
+  rebuilds from replicas (HSDP: A holds a whole copy) or, without replicas (FSDP), rolls back to the last periodic
+  checkpoint;
 * A trains alone to ``max_steps`` and writes ``summary.json``.
 
 Every process started here is stopped by :meth:`DemoNodes.stop_all`, whatever happens (the caller wraps the run in
