@@ -191,3 +191,23 @@ def test_the_survivors_take_an_exited_member_for_dead_without_waiting_for_its_he
     decision = _decide_survivors(store, info, settings, timeout_s=5.0)
     assert decision["survivors"] == [0] and decision["dead_nodes"] == ["b"]
     assert decision["found_by"] == {"b": "worker 0's process exited"}
+
+
+def test_elastic_watch_exits_false_leaves_every_worker_without_a_listening_socket() -> None:
+    from hydra import compose, initialize_config_dir
+
+    from lightning_emig.config import register_configs
+    from lightning_emig.testing.nodes import REPO
+    from lightning_emig.training.builders import failure_settings
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        assert failure_settings(compose("config")).watch_exits  # on by default
+        settings = failure_settings(compose("config", overrides=["elastic.watch_exits=false"]))
+    assert not settings.watch_exits
+    store = dist.HashStore()
+    for exits in (settings.watch_exits, True):  # what the strategy starts with each setting
+        watch = DeathWatch(lambda: -1, node_id=f"{HOST}_{int(exits)}", local_rank=0, client=store, poll_s=3600.0,
+                           exits=exits)
+        watch.stop()
+        assert store.check([endpoint_key(f"{HOST}_{int(exits)}", 0)]) == exits
