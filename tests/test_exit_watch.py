@@ -211,3 +211,10 @@ def test_elastic_watch_exits_false_leaves_every_worker_without_a_listening_socke
                            exits=exits)
         watch.stop()
         assert store.check([endpoint_key(f"{HOST}_{int(exits)}", 0)]) == exits
+
+
+def test_the_restart_path_is_told_from_the_environment_the_agents_give_their_workers() -> None:
+    from lightning_emig.launcher.generation import ENV_LIVE_MEMBERSHIP, live_membership_from_env
+
+    assert live_membership_from_env({}) and live_membership_from_env({ENV_LIVE_MEMBERSHIP: "1"})
+    assert not live_membership_from_env({ENV_LIVE_MEMBERSHIP: "0"})  # no exit watch there (see the strategy)

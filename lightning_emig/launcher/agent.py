@@ -80,6 +80,7 @@ from lightning_emig.launcher.generation import (
     generation_going_on_without,
     latest_generation,
     leaving_key,
+    live_membership_from_env,
     make_node_id,
     nodes_in_latest_generation,
     publish_generation,
@@ -102,9 +103,6 @@ from lightning_emig.launcher.rounds import (
 from lightning_emig.launcher.store_host import warn_if_hosting
 
 logger = logging.getLogger(__name__)
-
-ENV_LIVE_MEMBERSHIP = "LIGHTNING_EMIG_LIVE_MEMBERSHIP"
-"""``"0"`` makes joins take torchrun's restart path (for comparisons); anything else, the live path."""
 
 PUBLISH_TIMEOUT = timedelta(seconds=60)
 """How long the round's rank-0 agent waits for every agent's node entry."""
@@ -140,9 +138,7 @@ class MembershipAgent(LocalElasticAgent):
 
     def __init__(self, *args: Any, live_membership: bool | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if live_membership is None:
-            live_membership = os.environ.get(ENV_LIVE_MEMBERSHIP, "1") != "0"
-        self.live_membership = live_membership
+        self.live_membership = live_membership_from_env() if live_membership is None else live_membership
         spec = self._worker_group.spec
         self.node_id = make_node_id(spec.local_addr or socket.getfqdn(), os.getpid())
         self.generation = -1

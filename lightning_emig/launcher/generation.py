@@ -80,6 +80,15 @@ ENV_MIN_NODES = "LIGHTNING_EMIG_MIN_NODES"
 ENV_MAX_NODES = "LIGHTNING_EMIG_MAX_NODES"
 ENV_AGENT_PID = "LIGHTNING_EMIG_AGENT_PID"
 """The process id of the agent that started a worker (the worker dies with it: :mod:`lightning_emig.launcher.orphans`)."""
+ENV_LIVE_MEMBERSHIP = "LIGHTNING_EMIG_LIVE_MEMBERSHIP"
+"""``"0"`` makes the agents take torchrun's restart path (for comparisons); anything else, the live path. The workers
+inherit it: on the restart path they watch no peer's exit either (:mod:`~lightning_emig.membership.exit_watch`)."""
+
+
+def live_membership_from_env(env: Mapping[str, str] | None = None) -> bool:
+    """Whether the job takes the live path (:data:`ENV_LIVE_MEMBERSHIP`)."""
+    return (os.environ if env is None else env).get(ENV_LIVE_MEMBERSHIP, "1") != "0"
+
 
 LATEST_GENERATION_KEY = "latest_generation"
 ACTIVE_GENERATION_KEY = "active_generation"

@@ -28,7 +28,8 @@ still a member of is trained in by then.
 What this cannot see: a host that vanished (power, kernel, network) closes nothing, and a frozen process keeps its
 sockets; both are still taken for dead at the heartbeat timeout. A listening socket is reachable wherever the
 process group's own sockets are (gloo and NCCL listen on ephemeral ports of the same address), so a refusal means no
-listener, not a firewall. ``elastic.watch_exits: false`` turns it off.
+listener, not a firewall. ``elastic.watch_exits: false`` turns it off; so does torchrun's restart path
+(``LIGHTNING_EMIG_LIVE_MEMBERSHIP=0``), where no agent marks a death either.
 
 A ``DataLoader``'s worker processes are forked with every descriptor of their parent: they close this module's sockets
 as they start (:func:`os.register_at_fork`), or a dead worker's connections would stay open for as long as its loader

@@ -37,7 +37,7 @@ from lightning_emig.change.record import ChangeLog
 from lightning_emig.change.requests import LayoutRequests
 from lightning_emig.collector import freeze_what_exists, release_frozen
 from lightning_emig.host_memory import keep_freed_host_memory
-from lightning_emig.launcher.generation import ENV_AGENT_PID, ENV_GENERATION
+from lightning_emig.launcher.generation import ENV_AGENT_PID, ENV_GENERATION, live_membership_from_env
 from lightning_emig.launcher.heartbeat import mark_holding, start_heartbeat
 from lightning_emig.launcher.orphans import die_with_parent
 from lightning_emig.layout import HybridLayout, LayoutMesh
@@ -194,7 +194,8 @@ class ElasticMigrationStrategy(HybridLayoutStrategy):
                 keep_freed_host_memory()  # each step reuses the last one's pages (see lightning_emig.host_memory)
             start_heartbeat(self.failure_settings.heartbeat_interval_s, self.failure_settings.heartbeat_timeout_s)
             # A peer's death stops this process's compute at once.
-            start_death_watch(lambda: self.generation, exits=self.failure_settings.watch_exits)
+            start_death_watch(lambda: self.generation,
+                              exits=self.failure_settings.watch_exits and live_membership_from_env())
         self.generation = form_generation_group(Arrival(
             generation=self.generation, live_join=self.live_join, handoff=self._incoming.handoff,
             backend=self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo"),
