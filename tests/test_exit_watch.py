@@ -32,11 +32,11 @@ from lightning_emig.membership.settings import FailureSettings
 HOST = "127.0.0.1"
 
 _PEER = """
-import os, sys, time
+import datetime, os, sys, time
 import torch.distributed as dist
 from lightning_emig.membership.exit_watch import ExitListener
-store = dist.TCPStore(sys.argv[1], int(sys.argv[2]), is_master=False, timeout=__import__("datetime").timedelta(seconds=30))
-listener = ExitListener(store, sys.argv[3], 0, sys.argv[1])
+store = dist.TCPStore(sys.argv[1], int(sys.argv[2]), is_master=False, timeout=datetime.timedelta(seconds=30))
+listener = ExitListener(store, sys.argv[3], 0, sys.argv[6])  # the address published for peers
 if sys.argv[5] != "-":
     listener.entered(int(sys.argv[5]))  # as the death watch's thread does once the process is in a generation
 loader = os.fork() if sys.argv[4] == "fork" else 0  # a DataLoader worker's way: every descriptor inherited
@@ -51,9 +51,10 @@ time.sleep(600)
 class _Peer:
     """A child process listening as a worker does (optionally with a forked child of its own)."""
 
-    def __init__(self, store: dist.TCPStore, node_id: str, *, fork: bool = False, entered: int | None = 0) -> None:
+    def __init__(self, store: dist.TCPStore, node_id: str, *, fork: bool = False, entered: int | None = 0,
+                 address: str = HOST) -> None:
         self.proc = subprocess.Popen([sys.executable, "-c", _PEER, HOST, str(store.port), node_id,
-                                      "fork" if fork else "-", "-" if entered is None else str(entered)],
+                                      "fork" if fork else "-", "-" if entered is None else str(entered), address],
                                      stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         host, port, pid, loader = self.proc.stdout.readline().split()
@@ -149,6 +150,23 @@ def test_an_endpoint_that_refuses_is_marked_once_its_process_entered_the_generat
     assert member_exited(store, "d", 0, 0)["endpoint"] == d.endpoint  # type: ignore[index]
     assert member_exited(store, "d", 0, 1) is None  # a later generation's member at d's place is another process
     watch.close()
+
+
+def test_a_peer_published_by_name_is_reached(store: dist.TCPStore) -> None:
+    """A node known by a name (no ``--local-addr``), here ``localhost``: the watcher resolves it (to ``::1`` or
+    ``127.0.0.1``, whichever comes first) and the listener, on every interface and both families, answers there. (The
+    case it is built for, a host's own name resolving to ``127.0.1.1`` on itself and to its address elsewhere, needs
+    two hosts.)"""
+    members = _members("a", "e")
+    e = _Peer(store, "e", address="localhost")
+    try:
+        watch = ExitWatch(store, "a", 0)
+        assert _polls(watch, members, 0.5) == []  # connected: no refusal
+        e.kill()
+        assert "node e's worker 0 exited (its connection closed" in _poll_until_noticed(watch, members)
+        watch.close()
+    finally:
+        e.stop_all()
 
 
 def _mark_exited(store: dist.Store, node_id: str, endpoint: str, generation: int = 0) -> None:

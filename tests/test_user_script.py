@@ -410,7 +410,9 @@ def test_with_etcd_the_first_node_may_be_preempted_and_another_killed(tmp_path: 
     kinds = [(e["kind"], e["old_world"], e["new_world"], e["step"]) for e in events]
     assert kinds == [("preempt", 2, 1, 20), ("join", 1, 2, 40), ("failure", 2, 1, 60)], checked["events"]
     assert checked["events"][-1]["steps_rolled_back"] == 0
-    assert re.search(r"found dead in generation \d+: node \S+ \(worker 0's process exited\)", _log(tmp_path, "c", 10**6))
+    c_log = _log(tmp_path, "c", 10**6)
+    found = re.search(r"found dead in generation \d+: node \S+ \(worker 0's process exited\)", c_log)
+    assert found, "C waited for B's heartbeat: B's exit went unseen"
     assert checked["ledger"].rolled_back_steps == [], checked["ledger"].describe()
     _print_events(checked["events"])
 

@@ -115,7 +115,11 @@ class ExitListener:
     completes them before they are accepted, so :meth:`accept_pending` is called only to keep the queue short."""
 
     def __init__(self, client: Any, node_id: str, local_rank: int, host: str) -> None:
-        self._sock = _track(socket.create_server((host, 0), backlog=64))
+        """Listen on every interface, as the rendezvous store does: ``host`` (the node's address, as peers reach it)
+        is published, not bound, so a name this host resolves to itself otherwise (``127.0.1.1``) reaches it too."""
+        dual = socket.has_dualstack_ipv6()
+        self._sock = _track(socket.create_server(("", 0), family=socket.AF_INET6 if dual else socket.AF_INET,
+                                                 backlog=64, dualstack_ipv6=dual))
         self._sock.setblocking(False)
         self._held: list[socket.socket] = []
         self._client, self._entered_key = client, entered_key(node_id, local_rank)
@@ -228,10 +232,14 @@ class ExitWatch:
             return None
         self._entered = _read_int(self._client, entered_key(*self._target))
         host, port, _pid = self._endpoint.split()
-        sock = _track(socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM))
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0]
+        except OSError as exc:  # the name does not resolve now: say nothing of the process, look again later
+            return self._failed_connect(exc.errno or errno.EHOSTUNREACH)
+        sock = _track(socket.socket(family, kind, proto))
         sock.setblocking(False)
         self._sock, self._connected = sock, False
-        code = sock.connect_ex((host, int(port)))
+        code = sock.connect_ex(address)
         if code in (0, errno.EINPROGRESS, errno.EAGAIN, errno.EWOULDBLOCK):
             return self._finish_connect()
         return self._failed_connect(code)

@@ -354,7 +354,8 @@ def _decide_survivors(
         for node, local_rank, rank in members:
             if rank in reported or node in found_by:
                 continue
-            if member_exited(client, node, local_rank, info.generation) is not None:  # before its heartbeat could go stale
+            # A process seen exiting is dead before its heartbeat could go stale.
+            if member_exited(client, node, local_rank, info.generation) is not None:
                 found_by[node] = f"worker {local_rank}'s process exited"
             elif heartbeats.stale(node, local_rank):
                 found_by[node] = f"worker {local_rank}'s heartbeat stopped"

@@ -11,11 +11,11 @@ event (plus what it recomputes) every agent is stopped. How B leaves:
   (a fresh worker rejoining would be a ``join``, another event, and would leave no steady step of the world of one).
   ``restart``: every worker is stopped and started again, loads the newest checkpoint and recomputes the steps
   after it (one ``restart`` event, 2 -> 2);
-* ``node_failure``: B's agent and worker get SIGKILL, under ``layout=hsdp``: the whole node gone, so nobody marks
-  it dead and the survivor tells it from a slow one by its heartbeat (``elastic.heartbeat_timeout_s``). ``live``
-  only: as ``worker_failure`` (one ``failure`` event, 2 -> 1). There is no restart path to compare with: with B's
-  agent gone, no agent sees a failure, and A's worker recovers by itself on either path (measured: the same
-  ``failure`` event, rebuilt from the replica);
+* ``node_failure``: B's agent and worker get SIGKILL, under ``layout=hsdp``: the whole node gone, so no agent marks
+  it dead; the survivor sees B's process exit (:mod:`~lightning_emig.membership.exit_watch`). ``live`` only: as
+  ``worker_failure`` (one ``failure`` event, 2 -> 1). There is no restart path to compare with: with B's agent gone,
+  no agent sees a failure, and A's worker recovers by itself on either path (measured: the same ``failure`` event,
+  rebuilt from the replica; on the restart path, which watches no exits, at the heartbeat timeout);
 * ``preemption``: B's agent gets SIGTERM (the notice a cloud gives a preempted VM), under the default sharded
   layout. ``live``: B's worker hands its shards over point to point and exits; A trains on alone (one ``preempt``
   event, 2 -> 1). ``restart``: the notice is torchrun's SIGTERM (B's agent kills its worker and exits); A's worker
