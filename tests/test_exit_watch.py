@@ -12,6 +12,7 @@ heartbeat). End to end through a user's script: ``tests/test_user_script.py::tes
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -236,3 +237,21 @@ def test_the_restart_path_is_told_from_the_environment_the_agents_give_their_wor
 
     assert live_membership_from_env({}) and live_membership_from_env({ENV_LIVE_MEMBERSHIP: "1"})
     assert not live_membership_from_env({ENV_LIVE_MEMBERSHIP: "0"})  # no exit watch there (see the strategy)
+
+
+def test_the_holders_of_a_change_that_failed_count_marks_from_their_own_generation() -> None:
+    """A change to generation 3 failed before its state moved: the holders recover among themselves, accounted under
+    generation 3, while the watchers that saw one of them exit still followed the holders' generation (2). Holders are
+    the processes that published their endpoints long before: such a mark is about them (``exits_since=-1``, as
+    :func:`lightning_emig.membership.failure._holders_of` sets it)."""
+    store = dist.HashStore()
+    info = dataclasses.replace(_members("a", "b"), generation=3)
+    scope = "failure/3/holders"
+    store.set(report_key(scope, 0), "{}")
+    store.set(endpoint_key("b", 0), "127.0.0.1 5 100")
+    _mark_exited(store, "b", "127.0.0.1 5 100", generation=2)
+    settings = FailureSettings(heartbeat_timeout_s=3600.0)
+    with pytest.raises(RuntimeError, match="could not tell the survivors"):  # a generation-3 member: not its mark
+        _decide_survivors(store, info, settings, timeout_s=0.5, scope=scope)
+    decision = _decide_survivors(store, info, settings, timeout_s=5.0, scope=scope, exits_since=-1)
+    assert decision["dead_nodes"] == ["b"] and decision["found_by"] == {"b": "worker 0's process exited"}

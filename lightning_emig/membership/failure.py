@@ -158,6 +158,9 @@ class _Accounted:
     rank: int
     layout: HybridLayout
     stash: LiveHandoff | None
+    exits_since: int
+    """The oldest generation whose watchers' exit marks count for these members
+    (:func:`~lightning_emig.membership.exit_watch.member_exited`)."""
 
     @property
     def world(self) -> int:
@@ -167,7 +170,8 @@ class _Accounted:
 def _generation_members(strategy: ElasticWorker, client: Any) -> _Accounted:
     """A collective of the strategy's generation failed: account for its members (the last boundary's state)."""
     return _Accounted(scope=f"failure/{strategy.generation}", members=read_generation(client, strategy.generation),
-                      rank=strategy.global_rank, layout=strategy.layout, stash=strategy.last_boundary)
+                      rank=strategy.global_rank, layout=strategy.layout, stash=strategy.last_boundary,
+                      exits_since=strategy.generation)
 
 
 def _holders_of(held: LiveHandoff) -> _Accounted:
@@ -183,8 +187,10 @@ def _holders_of(held: LiveHandoff) -> _Accounted:
                   for node, ranks in by_node.items())
     members = GenerationInfo(generation=held.generation, world_size=held.old_world, master_addr="", master_port=0,
                              nodes=nodes)
+    # Holders are the processes that held the state before: the endpoints published at their places are theirs, so
+    # a mark naming one is about them whichever generation its watcher followed (theirs, or the one being formed).
     return _Accounted(scope=f"failure/{held.generation}/holders", members=members, rank=held.old_rank,
-                      layout=held.old_layout, stash=held)
+                      layout=held.old_layout, stash=held, exits_since=-1)
 
 
 def recover_from_failure(
@@ -241,7 +247,8 @@ def _recover_once(
     # A survivor blocked on another survivor may only fail at its own collective timeout: wait at least that long.
     patience = max(settings.failure_timeout_s,
                    strategy.timeout.total_seconds() + settings.heartbeat_timeout_s + 10.0)
-    decision = _decide_survivors(client, ours.members, settings, timeout_s=patience, scope=ours.scope)
+    decision = _decide_survivors(client, ours.members, settings, timeout_s=patience, scope=ours.scope,
+                                 exits_since=ours.exits_since)
     detected = _detection_phases(started_wall, decision, stash.last_step_wall if stash is not None else None)
     if not decision["dead_nodes"] and held is None:  # everyone reported: no peer died, not a failure we can mend
         raise error
@@ -331,12 +338,15 @@ def _consistent_step(stash: LiveHandoff | None) -> tuple[int, bool]:
 
 def _decide_survivors(
     client: Any, info: GenerationInfo, settings: FailureSettings, timeout_s: float | None = None, *,
-    scope: str | None = None,
+    scope: str | None = None, exits_since: int | None = None,
 ) -> dict[str, Any]:
     """Wait until every rank of ``info`` reported or is dead; the first to see it writes the one decision.
 
-    A node its agent marked dead is dead whatever its workers reported (the agent is stopping them).
+    A node its agent marked dead is dead whatever its workers reported (the agent is stopping them). A worker that
+    has not reported is dead once its process was seen exiting (by a watcher of generation ``exits_since``, default
+    ``info``'s, or later) or its heartbeat stopped.
     """
+    exits_since = info.generation if exits_since is None else exits_since
     scope = f"failure/{info.generation}" if scope is None else scope
     key = decision_key(scope)
     timeout_s = settings.failure_timeout_s if timeout_s is None else timeout_s
@@ -355,7 +365,7 @@ def _decide_survivors(
             if rank in reported or node in found_by:
                 continue
             # A process seen exiting is dead before its heartbeat could go stale.
-            if member_exited(client, node, local_rank, info.generation) is not None:
+            if member_exited(client, node, local_rank, exits_since) is not None:
                 found_by[node] = f"worker {local_rank}'s process exited"
             elif heartbeats.stale(node, local_rank):
                 found_by[node] = f"worker {local_rank}'s heartbeat stopped"
@@ -365,7 +375,7 @@ def _decide_survivors(
             survivors = sorted(rank for node, _, rank in members if rank in reported and node not in dead_nodes)
             decided = {"survivors": survivors, "dead_nodes": sorted(dead_nodes), "found_by": found_by}
             seen = [t for node, local_rank, _ in members if node in dead_nodes
-                    if (t := _last_seen_alive(client, node, local_rank, info.generation)) is not None]
+                    if (t := _last_seen_alive(client, node, local_rank, exits_since)) is not None]
             if seen:
                 decided["last_seen_alive"] = min(seen)
             proposal = json.dumps(decided)
