@@ -73,6 +73,10 @@ TIMED_STEPS = 200
 HELD_STEPS = 60
 """A run whose events the holds of :mod:`lightning_emig.testing.held_train` pin to its first steps: what follows
 them only has to reach a periodic checkpoint (steps on a world of three cost about 0.27 s on two cores)."""
+REJOIN_STEPS = 400
+"""A run in which a node's agent starts a fresh worker after its first one died and that worker must still join:
+the survivor's steps must outlast the restart (on 2026-12-07's fast host A trained 60 steps in 2.5 s, B's fresh
+worker was ready 7.2 s after the death, and A had finished)."""
 CHECKPOINT_EVERY = 50
 
 
@@ -357,7 +361,7 @@ def test_a_joiner_left_out_by_a_drain_comes_back_through_a_new_round(tmp_path: P
 def _join_with_a_dying_worker(tmp_path: Path, die: str, *, rdzv_id: str) -> tuple[Nodes, list[int]]:
     """A trains alone; B joins with ``die`` set (its first worker dies in its live join; ``--max-restarts=1`` brings
     another). Every agent exits 0, nothing is left behind; the nodes and A's workers."""
-    nodes = Nodes(tmp_path, rdzv_id=rdzv_id, max_steps=HELD_STEPS,
+    nodes = Nodes(tmp_path, rdzv_id=rdzv_id, max_steps=REJOIN_STEPS,
                   module="lightning_emig.testing.held_train",
                   env={ENV_HOLD_TRAINING_UNTIL_GENERATION: "1", ENV_HOLD_STEPS_FOR_JOINERS: "1"})
     try:

@@ -252,7 +252,7 @@ def _recover_once(
     detected = _detection_phases(started_wall, decision, stash.last_step_wall if stash is not None else None)
     if not decision["dead_nodes"] and held is None:  # everyone reported: no peer died, not a failure we can mend
         raise error
-    if decision["survivors"] and rank == decision["survivors"][0]:
+    if decision["dead_nodes"] and rank == next(iter(decision["survivors"]), None):
         log.error("found dead in generation %d: %s", generation,
                   "; ".join(f"node {node} ({how})" for node, how in decision.get("found_by", {}).items()))
 
