@@ -195,7 +195,7 @@ class ExitWatch:
         if generation != self._generation:
             self._drop()
             self._generation, self._target = generation, None
-            self._ring = _ring(members()) if generation >= 0 else []
+            self._ring = list(members().members) if generation >= 0 else []
         if self._target is None:
             self._target = self._successor()
             if self._target is None:
@@ -279,10 +279,3 @@ class ExitWatch:
         if self._sock is not None:
             _close(self._sock)
         self._sock, self._connected, self._endpoint = None, False, None
-
-
-def _ring(members: GenerationInfo) -> list[tuple[str, int]]:
-    """A generation's members, (node id, local rank), in rank order."""
-    ranked = sorted((rank, node.node_id, local_rank) for node in members.nodes
-                    for local_rank, rank in enumerate(node.ranks))
-    return [(node_id, local_rank) for _, node_id, local_rank in ranked]
