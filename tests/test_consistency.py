@@ -7,7 +7,10 @@ with one element. The guard refuses a world whose ranks disagree on the step, or
 from __future__ import annotations
 
 import itertools
+import os
 import re
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +67,7 @@ def _every_case(rank: int, world: int) -> dict[str, Any]:
                             device=torch.device("cpu"), when="in the test",
                             read_only=lambda key: not key.startswith("optim/"))
     results["begun_then_completed"] = (in_flight.sums_later is not None, in_flight.result() == at_once)
+    results["held_back"] = _proof_with_its_thread_held_back(state, layout, rank, at_once)
     results["step_differs"] = _prove(state, layout, rank, step=4 + rank)
     with torch.no_grad():  # one element of one shard (rank 1's): another state, still consistent
         if rank == 1:
@@ -80,6 +84,29 @@ def _every_case(rank: int, world: int) -> dict[str, Any]:
             state["param/norm.weight"].local.view(-1)[0] += 1.0
     results["replica_differs"] = _prove(state, layout, rank)
     return results
+
+
+def _proof_with_its_thread_held_back(state: dict[str, StateTensor], layout: HybridLayout, rank: int,
+                                     at_once: StateProof | str) -> dict[str, Any]:
+    """The digest thread stopped before its first tensor until 0.3 s after the proof is awaited: the waiting thread
+    sums every tensor itself, and the proof is the one taken at once."""
+    released = threading.Event()
+    seen: dict[str, Any] = {}
+
+    def read_only(key: str) -> bool:
+        if threading.current_thread().name.startswith("lightning-emig-proof") and not released.is_set():
+            seen["policy"] = os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else None
+            released.wait(timeout=30)
+        return True
+
+    in_flight = begin_proof(state, layout, rank=rank, step=4, data_offset=32, generation=1,
+                            device=torch.device("cpu"), when="in the test", read_only=read_only)
+    threading.Timer(0.3, released.set).start()
+    proof = in_flight.result()
+    assert in_flight.sums_later is not None
+    thread_slots, thread_per_tensor = in_flight.sums_later.result()
+    return {"same": proof == at_once, "thread_summed": int(thread_slots.abs().sum() + thread_per_tensor.abs().sum()),
+            "policy": seen.get("policy")}
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +127,17 @@ def test_a_plain_buffer_may_differ_between_ranks(cases: list[dict[str, Any]]) ->
 def test_a_proof_summed_on_a_thread_is_the_proof_taken_at_once(cases: list[dict[str, Any]]) -> None:
     """Begun now, some tensors summed on a thread, completed later: the same proof."""
     assert [r["begun_then_completed"] for r in cases] == [(True, True), (True, True)]
+
+
+def test_a_proof_awaited_before_its_thread_got_the_cpu_is_summed_by_the_waiting_thread(
+        cases: list[dict[str, Any]]) -> None:
+    """The digest thread runs only on idle CPU (Linux ``SCHED_IDLE``); the thread that waits for its sums takes the
+    tensors it has not reached, so a starved digest thread never holds up the proof."""
+    for rank_result in cases:
+        held = rank_result["held_back"]
+        assert held["same"] and held["thread_summed"] == 0, held
+        if sys.platform == "linux":
+            assert held["policy"] == os.SCHED_IDLE, held
 
 
 def test_a_proof_whose_digest_never_finishes_says_what_it_waited_for() -> None:
