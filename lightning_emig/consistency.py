@@ -156,8 +156,8 @@ def _only_on_idle_cpu() -> None:
     0.45 / 0.70 s over a steady one with it, 0.09 / 0.05 s without it (2 cores, the leaving process still exiting on
     the other). It never holds up its proof: the thread that waits for the sums takes the tensors not yet summed
     (:class:`_SharedKeys`). It holds the GIL only between two torch ops; preempted there, the training thread waiting
-    for the GIL leaves its core idle, where the kernel runs it. Nice 19 instead, tried: a drain's transfer beside its
-    digests 0.79-0.80 s, against 0.62-0.74 s at ``SCHED_IDLE`` (0.74-0.83 s at the normal priority)."""
+    for the GIL leaves its core idle, where the kernel runs it. Nice 19 instead, tried in two preemptions: first
+    step's excess 0.14 / 0.63 s, pause 1.14 / 1.18 s, against 0.07-0.23 s and 1.02-1.09 s in five at ``SCHED_IDLE``."""
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lightning_emig import HybridLayout
+from lightning_emig.change.live_join import phases_of_join
 from lightning_emig.migration.change import ChangeRecord
 
 
@@ -18,6 +19,18 @@ def test_a_change_followed_by_its_completion_is_one_change_from_the_first_world_
     assert (whole.old_layout.dp_shard, whole.new_layout.dp_shard) == (3, 2)
     assert (whole.bytes_moved, whole.bytes_copied_locally) == (1000, 510)
     assert list(whole.seconds) == ["handshake", "transfer"] and whole.seconds["transfer"] == 0.75
+
+
+def test_a_drains_handed_proof_counts_in_the_preemptions_phases() -> None:
+    """The drain waited for its handed proof; the next fit's join waits for none (it was settled): the event keeps the
+    drain's wait. (The join's own phases used to replace the handoff's, and a preemption's 0.2-0.4 s wait for its
+    digests went missing from its phases.)"""
+    handed = {"capture": 0.01, "agree_leave": 0.02, "prove_handed": 0.37, "build": 0.08}
+    phases = phases_of_join(handed, {"prove_handed": 0.0, "handshake": 0.01}, {"plan": 0.03, "transfer": 0.1})
+    assert phases == {"capture": 0.01, "agree_leave": 0.02, "prove_handed": 0.37, "build": 0.08, "handshake": 0.01,
+                      "plan": 0.03, "transfer": 0.1}
+    assert list(phases) == ["capture", "agree_leave", "prove_handed", "build", "handshake", "plan", "transfer"]
+    assert phases_of_join({}, {"prove_handed": 0.2}, {})["prove_handed"] == 0.2  # a join from a world of one
 
 
 def _fsdp_specs() -> dict[str, object]:

@@ -147,13 +147,24 @@ def join_live(
     if handoff is None:
         # A new process has no RNG state of its own: derive one (the rule of lightning_emig.change.rng).
         restore_rng_for_rank(None, rank, seed=strategy.seed, step=int(news.metadata["global_step"]))
-    record = dataclasses.replace(record, seconds={**news.seconds, **seconds, **record.seconds})
+    record = dataclasses.replace(record, seconds=phases_of_join(news.seconds, seconds, record.seconds))
     if news.prior is not None:  # the state moved before this fit (preemption, failure): report that change
         record = news.prior.then(record)
     metadata = dict(news.metadata)
     if handoff is not None:  # a holder keeps its own callbacks' state; a joiner takes the source's, as from a file
         metadata["callbacks"] = handoff.metadata["callbacks"]
     return metadata, record, news.last_step_wall
+
+
+def phases_of_join(handed: dict[str, float], joining: dict[str, float], moving: dict[str, float]) -> dict[str, float]:
+    """The seconds of a join's phases, in the order they ran: those the handoff brought (``handed``: from the step
+    boundary to this fit, a drain's included), the handshake's, the migration's. A phase in more than one of them
+    ran more than once (a drain settled its handed proof, the join settles what is left of it): its seconds add up."""
+    total = dict(handed)
+    for seconds in (joining, moving):
+        for phase, value in seconds.items():
+            total[phase] = total.get(phase, 0.0) + value
+    return total
 
 
 def state_after_join(strategy: JoinHost, metadata: dict[str, Any], last_step_wall: float) -> LiveHandoff:
