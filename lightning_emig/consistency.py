@@ -20,7 +20,6 @@ trains on while the others stop.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import zlib
@@ -107,8 +106,10 @@ def begin_proof(state: dict[str, StateTensor], layout: HybridLayout, *, rank: in
     later = shares = None
     if read_only is not None:
         shares = _SharedKeys(read_only)
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-emig-proof",
-                                  initializer=_only_on_idle_cpu)
+        # Not at a lower priority (SCHED_IDLE was tried: a first step 0.4-0.6 s faster after a preemption, but a
+        # thread starved by a busy host stalls whoever waits for the tensor it is summing, or for the GIL it holds;
+        # see docs/results/change_cost.md, "The proof's thread on idle CPU").
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-emig-proof")
         later = pool.submit(digest_sums, state, layout, rank, device, shares.claim)
         pool.shutdown(wait=False)  # the thread ends with its one task
     now = digest_sums(state, layout, rank, device, None if read_only is None else lambda key: not read_only(key))
@@ -145,23 +146,6 @@ class _SharedKeys:
         """No key is claimed any more: the digest thread stops after the tensor it is summing."""
         with self._lock:
             self._closed = True
-
-
-def _only_on_idle_cpu() -> None:
-    """The calling thread runs only on CPU that no other thread wants (Linux ``SCHED_IDLE``; elsewhere, or where the
-    system refuses, nothing changes).
-
-    The digest thread sums beside the work it overlaps (a first step's forward and backward, a transfer); at the
-    same priority it took a core from them wherever the cores were all busy: a 125M preemption's first step ran
-    0.45 / 0.70 s over a steady one with it, 0.09 / 0.05 s without it (2 cores, the leaving process still exiting on
-    the other). It never holds up its proof: the thread that waits for the sums takes the tensors not yet summed
-    (:class:`_SharedKeys`). It holds the GIL only between two torch ops; preempted there, the training thread waiting
-    for the GIL leaves its core idle, where the kernel runs it. Nice 19 instead, tried in two preemptions: first
-    step's excess 0.14 / 0.63 s, pause 1.14 / 1.18 s, against 0.07-0.23 s and 1.02-1.09 s in five at ``SCHED_IDLE``."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        log.debug("the digest thread keeps the normal scheduling class", exc_info=True)
 
 
 @dataclass

@@ -7,9 +7,7 @@ with one element. The guard refuses a world whose ranks disagree on the step, or
 from __future__ import annotations
 
 import itertools
-import os
 import re
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -91,11 +89,9 @@ def _proof_with_its_thread_held_back(state: dict[str, StateTensor], layout: Hybr
     """The digest thread stopped before its first tensor until 0.3 s after the proof is awaited: the waiting thread
     sums every tensor itself, and the proof is the one taken at once."""
     released = threading.Event()
-    seen: dict[str, Any] = {}
 
     def read_only(key: str) -> bool:
         if threading.current_thread().name.startswith("lightning-emig-proof") and not released.is_set():
-            seen["policy"] = os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else None
             released.wait(timeout=30)
         return True
 
@@ -105,8 +101,7 @@ def _proof_with_its_thread_held_back(state: dict[str, StateTensor], layout: Hybr
     proof = in_flight.result()
     assert in_flight.sums_later is not None
     thread_slots, thread_per_tensor = in_flight.sums_later.result()
-    return {"same": proof == at_once, "thread_summed": int(thread_slots.abs().sum() + thread_per_tensor.abs().sum()),
-            "policy": seen.get("policy")}
+    return {"same": proof == at_once, "thread_summed": int(thread_slots.abs().sum() + thread_per_tensor.abs().sum())}
 
 
 @pytest.fixture(scope="module")
@@ -131,13 +126,11 @@ def test_a_proof_summed_on_a_thread_is_the_proof_taken_at_once(cases: list[dict[
 
 def test_a_proof_awaited_before_its_thread_got_the_cpu_is_summed_by_the_waiting_thread(
         cases: list[dict[str, Any]]) -> None:
-    """The digest thread runs only on idle CPU (Linux ``SCHED_IDLE``); the thread that waits for its sums takes the
-    tensors it has not reached, so a starved digest thread never holds up the proof."""
+    """The thread that waits for a proof's sums takes the tensors the digest thread has not reached: a digest thread
+    that got little CPU holds up the proof by one tensor at most."""
     for rank_result in cases:
         held = rank_result["held_back"]
         assert held["same"] and held["thread_summed"] == 0, held
-        if sys.platform == "linux":
-            assert held["policy"] == os.SCHED_IDLE, held
 
 
 def test_a_proof_whose_digest_never_finishes_says_what_it_waited_for() -> None:
