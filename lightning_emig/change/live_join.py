@@ -37,7 +37,7 @@ from lightning_emig.change.rng import restore_rng_for_rank
 from lightning_emig.consistency import settle_handoff_proof
 from lightning_emig.layout import HybridLayout
 from lightning_emig.membership.handoff import LiveHandoff
-from lightning_emig.migration.change import ChangeRecord, execute_change, whole_state_specs
+from lightning_emig.migration.change import ChangeRecord, added_seconds, execute_change, whole_state_specs
 from lightning_emig.migration.identity import IdentityMap, ProcessInfo
 from lightning_emig.migration.state import (
     ShardingSpec,
@@ -160,11 +160,7 @@ def phases_of_join(handed: dict[str, float], joining: dict[str, float], moving: 
     """The seconds of a join's phases, in the order they ran: those the handoff brought (``handed``: from the step
     boundary to this fit, a drain's included), the handshake's, the migration's. A phase in more than one of them
     ran more than once (a drain settled its handed proof, the join settles what is left of it): its seconds add up."""
-    total = dict(handed)
-    for seconds in (joining, moving):
-        for phase, value in seconds.items():
-            total[phase] = total.get(phase, 0.0) + value
-    return total
+    return added_seconds(added_seconds(handed, joining), moving)
 
 
 def state_after_join(strategy: JoinHost, metadata: dict[str, Any], last_step_wall: float) -> LiveHandoff:

@@ -66,11 +66,11 @@ class ChangeRecord:
             self, step=later.step, new_layout=later.new_layout, new_world=later.new_world,
             bytes_moved=self.bytes_moved + later.bytes_moved,
             bytes_copied_locally=self.bytes_copied_locally + later.bytes_copied_locally,
-            seconds=_added(later.seconds, self.seconds),
+            seconds=added_seconds(later.seconds, self.seconds),
         )
 
 
-def _added(first: dict[str, float], more: dict[str, float]) -> dict[str, float]:
+def added_seconds(first: dict[str, float], more: dict[str, float]) -> dict[str, float]:
     """``first`` with ``more``'s seconds added phase by phase (``first``'s order: the order the phases ran)."""
     total = dict(first)
     for phase, seconds in more.items():
