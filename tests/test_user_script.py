@@ -213,6 +213,9 @@ def _join_then_preempt(tmp_path: Path, reference: Future, *, layout: list[str], 
         assert not any(is_alive(p) for p in b_workers), "B's worker outlived its agent"
     finally:
         stop_agents(agents)
+    # Once B's state has left, its worker and agent give the CPU to A (lightning_emig.launcher.leaving).
+    assert "leaving the job (exit 0, niceness 19)" in _log(tmp_path, "b", 1_000_000)
+    assert "exited; leaving the job (niceness 19)" in _log(tmp_path, "b", 1_000_000)
     checked = _check_run(tmp_path, reference, a_workers)
     assert checked["ledger"].rolled_back_steps == [], checked["ledger"].describe()
     _print_events(checked["events"])

@@ -90,6 +90,7 @@ from lightning_emig.launcher.generation import (
     worker_env,
 )
 from lightning_emig.launcher.heartbeat import Heartbeat, HoldersMonitor, forget_holders, mark_gone
+from lightning_emig.launcher.leaving import yield_cpu_to_the_job
 from lightning_emig.launcher.rounds import (
     REFUSED_ROUNDS_S,
     ROUND_ATTEMPTS,
@@ -464,8 +465,10 @@ class MembershipAgent(LocalElasticAgent):
 
     def _exit_barrier(self) -> None:
         if self._leaving_deadline is not None:  # preempted, its workers handed off their state
-            logger.warning("[%s] workers handed off their state and exited; leaving the job", self.node_id)
             self._leave_job()
+            niceness = yield_cpu_to_the_job()  # out of the round: nobody waits for this agent (launcher.leaving)
+            logger.warning("[%s] workers handed off their state and exited; leaving the job (niceness %d)",
+                           self.node_id, niceness)
             return
         nodes = nodes_in_latest_generation(self._control) if self._control is not None else None
         if nodes is None or nodes == self._worker_group.group_world_size:

@@ -55,6 +55,7 @@ from lightning_emig.launcher.generation import (
     control_client_from_env,
     read_generation,
 )
+from lightning_emig.launcher.leaving import yield_cpu_to_the_job
 from lightning_emig.membership.admission import LeftOutError, announce_training_done
 from lightning_emig.membership.below_min import below_min, wait_for_enough_nodes
 from lightning_emig.membership.failure import (
@@ -186,7 +187,9 @@ class ElasticFitLauncher(_Launcher):
         if handoff.leaving:
             dist.destroy_process_group()
             strategy.left_job = True
-            log.warning("this process's node was preempted and its state handed over: leaving the job (exit 0)")
+            niceness = yield_cpu_to_the_job()  # nobody waits for this process any more (launcher.leaving)
+            log.warning("this process's node was preempted and its state handed over: leaving the job (exit 0, "
+                        "niceness %d)", niceness)
             raise SystemExit(0)
         handoff.lap("teardown")
         dropped = drop_model(trainer.lightning_module, self._strategy.kept_children)
