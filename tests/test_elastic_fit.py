@@ -43,10 +43,8 @@ def test_every_checkpoint_callback_skips_the_step_a_live_fit_resumed_at() -> Non
     assert callback._should_skip_saving_checkpoint(trainer)
 
 
-@pytest.mark.parametrize("under_launcher", [True, False])
-def test_the_strategy_brings_its_launcher_only_under_lightning_emig_run(
-    monkeypatch: pytest.MonkeyPatch, under_launcher: bool
-) -> None:
+def _strategy_in_a_worker(monkeypatch: pytest.MonkeyPatch, *, under_launcher: bool) -> ElasticMigrationStrategy:
+    """A strategy built in a torchrun worker's environment, under ``lightning-emig-run`` or plain torchrun."""
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "pin")
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                        "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
@@ -57,18 +55,16 @@ def test_the_strategy_brings_its_launcher_only_under_lightning_emig_run(
     else:
         monkeypatch.delenv(ENV_NODE_ID, raising=False)
         monkeypatch.delenv(ENV_CONTROL_STORE, raising=False)
-    strategy = ElasticMigrationStrategy(global_batch_size=4, micro_batch_size=2)
+    return ElasticMigrationStrategy(global_batch_size=4, micro_batch_size=2)
+
+
+@pytest.mark.parametrize("under_launcher", [True, False])
+def test_the_strategy_brings_its_launcher_only_under_lightning_emig_run(
+    monkeypatch: pytest.MonkeyPatch, under_launcher: bool
+) -> None:
+    strategy = _strategy_in_a_worker(monkeypatch, under_launcher=under_launcher)
     pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_progress_bar=False)
     assert isinstance(strategy.launcher, ElasticFitLauncher) == under_launcher
-
-
-def _under_launcher(monkeypatch: pytest.MonkeyPatch) -> ElasticMigrationStrategy:
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "pin")
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                       "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
-                       ENV_NODE_ID: "127.0.0.1_1", ENV_CONTROL_STORE: "127.0.0.1:1"}.items():
-        monkeypatch.setenv(key, value)
-    return ElasticMigrationStrategy(global_batch_size=4, micro_batch_size=2)
 
 
 def test_a_process_that_leaves_the_job_exits_with_its_objects_still_frozen(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -76,7 +72,7 @@ def test_a_process_that_leaves_the_job_exits_with_its_objects_still_frozen(monke
     of a core at 125M, measured), while the survivors on the same host run their first step."""
     import gc
 
-    strategy = _under_launcher(monkeypatch)
+    strategy = _strategy_in_a_worker(monkeypatch, under_launcher=True)
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_progress_bar=False)
     launcher = strategy.launcher
     assert isinstance(launcher, ElasticFitLauncher)

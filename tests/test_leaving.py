@@ -8,6 +8,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 _PROBE = """
 import os, threading
 from lightning_emig.launcher.leaving import yield_cpu_to_the_job
@@ -26,6 +28,7 @@ print(mine, others)
 """
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="threads' niceness is read from /proc")
 def test_every_thread_of_a_leaving_process_gets_the_lowest_normal_priority() -> None:
     # In a process of its own: niceness only goes up for an unprivileged process, and the test runner must keep its.
     done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120, check=True)
