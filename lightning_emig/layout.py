@@ -28,6 +28,8 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from lightning_emig.collective_sockets import recording_group_sockets
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
@@ -335,14 +337,15 @@ def build_mesh(layout: HybridLayout, device_type: str, ranks: Sequence[int] | No
     layout.require_resolved()
     names = tuple(axis.value for axis in MESH_AXIS_ORDER)
     bounded = _bounded_groups(device_type, timeout)
-    if ranks is not None or layout.rank_order is not None:
-        ranks = range(layout.world_size) if ranks is None else ranks
-        return _build_mesh_over(layout, device_type, [int(r) for r in ranks], names, bounded)
-    root = init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=names,
-                            backend_override=dict.fromkeys(range(len(names)), bounded) if bounded else None)
-    # torch 2.13 has no public way to flatten mesh axes (torchtitan uses the same call).
-    dp = root[(MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value)]._flatten(  # noqa: SLF001
-        MeshAxis.DP.value, backend_override=bounded)
+    with recording_group_sockets(gloo=device_type == "cpu"):  # a way out of its collectives when a peer is gone
+        if ranks is not None or layout.rank_order is not None:
+            ranks = range(layout.world_size) if ranks is None else ranks
+            return _build_mesh_over(layout, device_type, [int(r) for r in ranks], names, bounded)
+        root = init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=names,
+                                backend_override=dict.fromkeys(range(len(names)), bounded) if bounded else None)
+        # torch 2.13 has no public way to flatten mesh axes (torchtitan uses the same call).
+        dp = root[(MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value)]._flatten(  # noqa: SLF001
+            MeshAxis.DP.value, backend_override=bounded)
     return LayoutMesh(layout=layout, root=root, dp=dp)
 
 

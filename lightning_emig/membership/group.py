@@ -24,6 +24,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from lightning_emig.collective_sockets import recording_group_sockets
 from lightning_emig.launcher.generation import (
     ENV_CONTROL_STORE,
     ENV_JOIN_LIVE,
@@ -133,7 +134,8 @@ def form_generation_group(info: GenerationInfo, rank: int, backend: str, timeout
             info.master_addr, info.master_port, world_size=info.world_size, is_master=rank == 0,
             wait_for_workers=False, timeout=timeout,
         )
-    dist.init_process_group(
-        backend, store=dist.PrefixStore(info.store_prefix, store), rank=rank, world_size=info.world_size,
-        timeout=timeout,
-    )
+    with recording_group_sockets(generation=info.generation, gloo=backend == "gloo"):  # a way out of its collectives
+        dist.init_process_group(
+            backend, store=dist.PrefixStore(info.store_prefix, store), rank=rank, world_size=info.world_size,
+            timeout=timeout,
+        )

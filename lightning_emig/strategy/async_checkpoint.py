@@ -42,6 +42,8 @@ import torch.distributed as dist
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from torch.distributed.checkpoint import async_save
 
+from lightning_emig.collective_sockets import recording_group_sockets
+
 log = logging.getLogger(__name__)
 
 #: DCP's global metadata file, written by its coordinator once every rank's shards are written.
@@ -135,7 +137,8 @@ class AsyncCheckpointWriter:
 
     def _checkpoint_group(self) -> dist.ProcessGroup:
         if self._group is None:
-            self._group = dist.new_group(backend="gloo", timeout=self.timeout, group_desc="async_checkpoint")
+            with recording_group_sockets():  # gloo's, over the default group: a way out when a peer is gone
+                self._group = dist.new_group(backend="gloo", timeout=self.timeout, group_desc="async_checkpoint")
         return self._group
 
 

@@ -35,6 +35,7 @@ from lightning_emig.change.prepare import LayoutPreparation, ShadowView
 from lightning_emig.change.rebuild import check_rebuilt, children_with_state
 from lightning_emig.change.record import ChangeLog
 from lightning_emig.change.requests import LayoutRequests
+from lightning_emig.collective_sockets import recording_group_sockets
 from lightning_emig.collector import freeze_what_exists, release_frozen
 from lightning_emig.host_memory import keep_freed_host_memory
 from lightning_emig.launcher.generation import ENV_AGENT_PID, ENV_GENERATION, live_membership_from_env
@@ -196,12 +197,17 @@ class ElasticMigrationStrategy(HybridLayoutStrategy):
             # A peer's death stops this process's compute at once.
             start_death_watch(lambda: self.generation,
                               exits=self.failure_settings.watch_exits and live_membership_from_env())
+        backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
         self.generation = form_generation_group(Arrival(
-            generation=self.generation, live_join=self.live_join, handoff=self._incoming.handoff,
-            backend=self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo"),
+            generation=self.generation, live_join=self.live_join, handoff=self._incoming.handoff, backend=backend,
             timeout=self.timeout, failure=self.failure_settings, on_cpu=self.root_device.type == "cpu",
         ))
-        super().setup_environment()
+        # A first start's group is torchrun's, formed by Lightning below: recorded as a later generation's is (a way
+        # out of its collectives when a peer is gone: lightning_emig.collective_sockets).
+        first = under_launcher() and not torch.distributed.is_initialized()
+        with recording_group_sockets(generation=self.generation, gloo=backend == "gloo") if first else (
+                contextlib.nullcontext()):
+            super().setup_environment()
         if self._incoming.rollback is not None and self._incoming.starting_over:  # once: a later validate is none
             self._note_rollback(step=0, load_seconds=0.0)  # no checkpoint: the fit starts over from step 0
 
