@@ -103,9 +103,13 @@ class ElasticSection:
     heartbeat_timeout_s: float = 10.0
     """A worker whose heartbeat is older than this, after a collective failed, is taken for dead."""
     watch_exits: bool = True
-    """Each worker keeps a TCP connection open to another; when the process behind it exits (its node killed whole,
-    agent and all), it is taken for dead at once instead of at ``heartbeat_timeout_s`` (a host that vanished, or a
-    frozen process, still waits for the heartbeat)."""
+    """Each worker keeps a TCP connection open to another and reads its heartbeat; when the process behind it exits
+    (its node killed whole, agent and all) it is taken for dead at once, when its host stops answering on that
+    connection after ``unreachable_timeout_s``, and when its heartbeat stops (a frozen process) after
+    ``heartbeat_timeout_s`` — before any collective fails, whose waits on it are then ended."""
+    unreachable_timeout_s: float = 2.0
+    """A watched peer's host that acknowledges nothing on the exit watch's connection for this long (TCP keepalive)
+    has vanished (power, kernel, network): its worker is taken for dead."""
     failure_timeout_s: float = 120.0
     """After a collective failed: how long survivors wait to learn who is alive before giving up (exit)."""
     below_min_timeout_s: float = 300.0

@@ -139,3 +139,34 @@ def test_once_a_death_is_noticed_no_module_runs_forward_or_backward(monkeypatch:
         assert len(model.ran) == 9
     finally:
         watch.stop()
+
+
+def test_a_death_noticed_ends_the_generations_collectives_unless_the_node_announced_its_departure(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frozen or vanished peer closes no socket: a collective waiting on it would wait for its timeout. So a death
+    noticed shuts down the groups' connections of that generation (:mod:`lightning_emig.collective_sockets`, tested
+    there with real processes) — but not for a preempted node, whose process exits on purpose after its handoff."""
+    from lightning_emig.launcher.generation import leaving_key
+
+    interrupted: list[int] = []
+    monkeypatch.setattr(death_watch, "interrupt_group_sockets", lambda generation: interrupted.append(generation) or 3)
+    store = dist.HashStore()
+    first = _publish(store, {"a": 0, "b": 1})
+    watch = DeathWatch(lambda: first, node_id="a", client=store, poll_s=3600.0)
+    try:
+        store.set(leaving_key("b"), json.dumps({"deadline": time.time() + 30}))
+        _mark_dead(store, "b")
+        watch.look()
+        with pytest.raises(PeerDeathNoticed):
+            watch.raise_if_noticed()
+        assert interrupted == []
+        second = _publish(store, {"a": 0, "c": 1})
+        other = DeathWatch(lambda: second, node_id="a", client=store, poll_s=3600.0)
+        try:
+            _mark_dead(store, "c")
+            other.look()
+            assert interrupted == [second]
+        finally:
+            other.stop()
+    finally:
+        watch.stop()

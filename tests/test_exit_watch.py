@@ -13,18 +13,26 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch.distributed as dist
 
-from lightning_emig.launcher.generation import LAST_DEATH_KEY, GenerationInfo, NodeEntry, publish_generation
+from lightning_emig.launcher.generation import (
+    LAST_DEATH_KEY,
+    GenerationInfo,
+    NodeEntry,
+    heartbeat_key,
+    publish_generation,
+)
 from lightning_emig.membership.death_watch import DeathWatch, PeerDeathNoticed
 from lightning_emig.membership.exit_watch import ExitWatch, endpoint_key, exited_key, member_exited
 from lightning_emig.membership.failure import _decide_survivors, report_key
@@ -53,8 +61,10 @@ class _Peer:
     """A child process listening as a worker does (optionally with a forked child of its own)."""
 
     def __init__(self, store: dist.TCPStore, node_id: str, *, fork: bool = False, entered: int | None = 0,
-                 address: str = HOST) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", _PEER, HOST, str(store.port), node_id,
+                 address: str = HOST, prefix: tuple[str, ...] | list[str] = (), store_host: str = HOST) -> None:
+        """``prefix``: a command the process runs under (another network namespace, reaching the store at
+        ``store_host``)."""
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-c", _PEER, store_host, str(store.port), node_id,
                                       "fork" if fork else "-", "-" if entered is None else str(entered), address],
                                      stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
@@ -168,6 +178,79 @@ def test_a_peer_published_by_name_is_reached(store: dist.TCPStore) -> None:
         watch.close()
     finally:
         e.stop_all()
+
+
+def test_a_frozen_peer_is_marked_once_its_heartbeat_stops(store: dist.TCPStore) -> None:
+    """A frozen process keeps its sockets (the kernel answers for it): its heartbeat, which the watcher reads, says
+    it. Here the test beats for b, as b's heartbeat thread would, until b is frozen."""
+    members = _members("a", "b")
+    b = _Peer(store, "b")
+    try:
+        watch = ExitWatch(store, "a", 0, heartbeat_timeout_s=0.6)
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:  # beating: alive, however long it is watched
+            store.set(heartbeat_key("b", 0), str(time.time()))
+            assert watch.poll(members.generation, lambda: members) is None
+            time.sleep(0.05)
+        os.kill(b.proc.pid, signal.SIGSTOP)
+        noticed = _poll_until_noticed(watch, members)
+        assert "node b's worker 0 is gone (its heartbeat stopped for 0.6s, seen from node a)" in noticed, noticed
+        mark = member_exited(store, "b", 0, 0)
+        assert mark is not None and mark["endpoint"] == b.endpoint
+        watch.close()
+    finally:
+        b.stop_all()
+
+
+def _can_make_network_namespaces() -> bool:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return False
+    name = f"emig-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    if made:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return made
+
+
+@contextlib.contextmanager
+def _host_behind_a_link() -> Iterator[tuple[str, str, list[str], Callable[[], object]]]:
+    """A network namespace joined to this one by a virtual link: (this side's address, its side's, the command prefix
+    that runs a process there, what cuts its link: its host gone silent, as when its network or power goes)."""
+    name, link = f"emig-{os.getpid()}", f"emig{os.getpid() % 100000}"
+    run = functools.partial(subprocess.run, check=True, capture_output=True)
+    inside = ["ip", "netns", "exec", name]
+    run(["ip", "netns", "add", name])
+    try:
+        run(["ip", "link", "add", f"{link}a", "type", "veth", "peer", "name", f"{link}b"])
+        run(["ip", "link", "set", f"{link}b", "netns", name])
+        run(["ip", "addr", "add", "10.231.7.1/24", "dev", f"{link}a"])
+        run(["ip", "link", "set", f"{link}a", "up"])
+        run([*inside, "ip", "addr", "add", "10.231.7.2/24", "dev", f"{link}b"])
+        run([*inside, "ip", "link", "set", f"{link}b", "up"])
+        yield "10.231.7.1", "10.231.7.2", inside, lambda: run([*inside, "ip", "link", "set", f"{link}b", "down"])
+    finally:
+        subprocess.run(["ip", "link", "del", f"{link}a"], capture_output=True)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@pytest.mark.skipif(not _can_make_network_namespaces(), reason="needs root and network namespaces (ip netns)")
+def test_a_peer_whose_host_vanished_is_marked_once_its_host_stops_answering(store: dist.TCPStore) -> None:
+    """The peer runs behind a virtual link, which is cut: its process lives on, nothing is closed, no packet comes
+    back. The watcher's connection ends by the keepalive's timeout (``elastic.unreachable_timeout_s``), not at the
+    heartbeat timeout (an hour here)."""
+    members = _members("a", "f")
+    with _host_behind_a_link() as (here, there, inside, cut):
+        f = _Peer(store, "f", address=there, prefix=inside, store_host=here)
+        try:
+            watch = ExitWatch(store, "a", 0, heartbeat_timeout_s=3600.0, unreachable_timeout_s=1.0)
+            assert _polls(watch, members, 0.5) == []  # connected, alive
+            cut()
+            noticed = _poll_until_noticed(watch, members)
+            assert "node f's worker 0 is gone (its host stopped answering, seen from node a)" in noticed, noticed
+            assert member_exited(store, "f", 0, 0)["endpoint"] == f.endpoint  # type: ignore[index]
+            watch.close()
+        finally:
+            f.stop_all()
 
 
 def _mark_exited(store: dist.Store, node_id: str, endpoint: str, generation: int = 0) -> None:

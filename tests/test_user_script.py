@@ -307,7 +307,7 @@ def test_a_join_whose_arrived_state_fails_its_proof_is_never_trained_on(tmp_path
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("kill", ["worker_with_replicas", "node_without_replicas",
+@pytest.mark.parametrize("kill", ["worker_with_replicas", "node_without_replicas", "node_frozen",
                                   pytest.param("node_before_any_checkpoint", marks=pytest.mark.long)])
 def test_the_script_survives_a_killed_peer(tmp_path: Path, reference: Future, kill: str) -> None:
     layout = ["--dp-replicate", "2"] if kill == "worker_with_replicas" else []
@@ -336,9 +336,16 @@ def test_the_script_survives_a_killed_peer(tmp_path: Path, reference: Future, ki
                 os.kill(pid, signal.SIGKILL)
             wait_for(lambda: "death watch: node" in _log(tmp_path, "a", 100000), 60,
                      f"A's death watch never saw B marked dead:\n{_log(tmp_path, 'a')}\n{_log(tmp_path, 'b')}")
+        elif kill == "node_frozen":  # alive, sockets open, nothing answers: only its heartbeat says it
+            for pid in [agents["b"].pid, *b_workers]:
+                os.kill(pid, signal.SIGSTOP)
         else:
             kill_tree(agents["b"].pid)
         _release(tmp_path, kill_at)
+        if kill == "node_frozen":  # A, waiting on B in the boundary's collective, recovers without it
+            wait_for(lambda: "ROLLED BACK to step" in _log(tmp_path, "a", 100000), 120,
+                     f"A never recovered from B's freeze:\n{_log(tmp_path, 'a')}")
+            kill_tree(agents["b"].pid)
         if kill == "worker_with_replicas":  # B's agent starts a fresh worker, which joins at step 60
             _held_at(tmp_path, 60, agents)
             wait_for(lambda: _log(tmp_path, "b", 100000).split("rejoining with fresh workers")[-1].count(
@@ -364,13 +371,20 @@ def test_the_script_survives_a_killed_peer(tmp_path: Path, reference: Future, ki
         assert failure["seconds"]["in_flight"] > 0, failure
         assert set(checked["ledger"].rolled_back_steps) <= {25}, checked["ledger"].describe()
     else:
-        restored = 20 if kill == "node_without_replicas" else 0
+        restored = 0 if kill == "node_before_any_checkpoint" else 20
         assert kinds == [("failure", 2, 1)], checked["events"]
         assert failure["step"] == restored and failure["steps_rolled_back"] == kill_at - restored, failure
         a_log = (tmp_path / "a.log").read_text()
         assert f"ROLLED BACK to step {restored}" in a_log
-        # Nobody was left to mark B dead: A saw its worker's process exit, and did not wait for its heartbeat.
-        assert re.search(r"found dead in generation \d+: node \S+ \(worker 0's process exited\)", a_log), a_log[-3000:]
+        if kill == "node_frozen":
+            # A's watcher saw B's heartbeat stop, and ended A's collective waiting on B (not at its 60 s timeout).
+            assert re.search(r"found dead in generation \d+: node \S+ \(worker 0's process is gone: its heartbeat "
+                             r"stopped for 3s\)", a_log), a_log[-3000:]
+            assert "death watch: shut down" in a_log and "Connection closed by peer" in a_log, a_log[-3000:]
+        else:
+            # Nobody was left to mark B dead: A saw its worker's process exit, and did not wait for its heartbeat.
+            assert re.search(r"found dead in generation \d+: node \S+ \(worker 0's process exited\)", a_log), \
+                a_log[-3000:]
         assert set(checked["ledger"].rolled_back_steps) <= set(range(restored, kill_at + 1)), checked["ledger"].describe()
     _print_events(checked["events"])
 

@@ -23,8 +23,13 @@ back; nor in validation. There, it is noticed as before: by a collective's error
 
 Where no agent is left to mark the death (the whole node gone), the same thread also watches one peer's process
 (:mod:`~lightning_emig.membership.exit_watch`): the process exits, the watcher marks it and writes ``last_death``, and
-every death watch of its generation notices it as it would an agent's mark. A host that vanished or a frozen process
-is still noticed by a collective's error or a stale heartbeat.
+every death watch of its generation notices it as it would an agent's mark; so are a host that stops answering on
+that connection and a process whose heartbeat stops (a frozen one).
+
+A survivor already blocked inside a collective runs no hook. On gloo, a death noticed also ends every collective of
+the generation (:func:`~lightning_emig.collective_sockets.interrupt_group_sockets`): a frozen or vanished peer closes
+no socket, and the collective waiting on it would otherwise end only at its timeout. Not for a node that announced its
+departure (a preempted node's process exits once its state was handed over).
 Outside ``lightning-emig-run``, and on torchrun's restart path (its agents mark nothing), the thread sees no mark.
 """
 
@@ -43,15 +48,18 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_emig.collective_sockets import interrupt_group_sockets
 from lightning_emig.launcher.generation import (
     ENV_NODE_ID,
     LAST_DEATH_KEY,
     control_client_from_env,
+    leaving_key,
     node_host,
     read_dead_mark,
     read_generation,
 )
-from lightning_emig.membership.exit_watch import ExitListener, ExitWatch, member_exited
+from lightning_emig.membership.exit_watch import ExitListener, ExitWatch, gone_how, member_exited
+from lightning_emig.membership.settings import FailureSettings
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -73,9 +81,11 @@ class DeathWatch:
     """The thread of one process (see the module); ``generation`` says, whenever asked, which generation it trains in."""
 
     def __init__(self, generation: Callable[[], int], *, node_id: str | None = None, client: Any = None,
-                 poll_s: float = POLL_S, exits: bool = False, local_rank: int | None = None) -> None:
-        """``exits``: also listen, and watch the member after this one, for a process that exits
-        (:mod:`~lightning_emig.membership.exit_watch`); this process is worker ``local_rank`` of ``node_id``."""
+                 poll_s: float = POLL_S, exits: bool = False, local_rank: int | None = None,
+                 settings: FailureSettings | None = None) -> None:
+        """``exits``: also listen, and watch the member after this one, for a process that exits, a host that stops
+        answering or a heartbeat that stops, by ``settings``' timeouts (:mod:`~lightning_emig.membership.exit_watch`);
+        this process is worker ``local_rank`` of ``node_id``."""
         self._generation = generation
         self._node_id = node_id or os.environ[ENV_NODE_ID]
         self._client = client if client is not None else control_client_from_env(timeout_s=10.0)
@@ -85,7 +95,10 @@ class DeathWatch:
         if exits:
             local_rank = int(os.environ["LOCAL_RANK"]) if local_rank is None else local_rank
             self._listener = ExitListener(self._client, self._node_id, local_rank, node_host(self._node_id))
-            self._exits = ExitWatch(self._client, self._node_id, local_rank)
+            settings = settings or FailureSettings()
+            self._exits = ExitWatch(self._client, self._node_id, local_rank,
+                                    heartbeat_timeout_s=settings.heartbeat_timeout_s,
+                                    unreachable_timeout_s=settings.unreachable_timeout_s)
         self._noticed: dict[int, str] = {}
         """Generation -> what was noticed (written by the thread, read by the training thread: one dict store)."""
         self._others: dict[int, list[tuple[str, int]]] = {}
@@ -144,8 +157,20 @@ class DeathWatch:
                 self._noticed[generation] = (f"node {node_id} of generation {generation} {noticed} (before any "
                                              "collective failed here)")
                 log.error("death watch: %s", self._noticed[generation])
+                self._interrupt(generation, node_id)
                 return
         self._looked_at = (last, generation)  # only once looked at: a poll that failed halfway is made again
+
+    def _interrupt(self, generation: int, node_id: str) -> None:
+        """End every collective of ``generation`` (one may wait on the dead node: a frozen process, a host gone, never
+        closes its sockets), unless the node announced its departure: a preempted node's process exits once its state
+        was handed over, and the survivors may still use the old groups (a checkpoint being written)."""
+        if self._client.check([leaving_key(node_id)]):
+            return
+        shut = interrupt_group_sockets(generation)
+        if shut:
+            log.error("death watch: shut down %d connection(s) of generation %d's process groups: a collective "
+                      "waiting on node %s ends now", shut, generation, node_id)
 
     def _other_nodes(self, generation: int) -> list[tuple[str, int]]:
         """The other nodes of ``generation``: (node id, how many workers)."""
@@ -167,20 +192,21 @@ def _death_of(client: Any, node_id: str, local_ranks: int, generation: int) -> s
         exited = member_exited(client, node_id, local_rank, generation)
         if exited is not None:
             after = f", noticed {max(0.0, time.time() - float(exited['time'])):.2f}s after"
-            return f"lost worker {local_rank}: its process exited (seen by node {exited['by']}{after})"
+            return f"lost worker {local_rank}: its process {gone_how(exited)} (seen by node {exited['by']}{after})"
     return None
 
 
 _watching: DeathWatch | None = None
 
 
-def start_death_watch(generation: Callable[[], int], *, exits: bool = True) -> DeathWatch:
+def start_death_watch(generation: Callable[[], int], settings: FailureSettings, *, exits: bool = True
+                      ) -> DeathWatch:
     """This process's death watch (idempotent: later calls return the running one); stopped and joined at exit, as
     the heartbeat is (a daemon thread inside a store call at finalization aborts the process). ``exits``:
     ``elastic.watch_exits``."""
     global _watching
     if _watching is None:
-        _watching = DeathWatch(generation, exits=exits)
+        _watching = DeathWatch(generation, exits=exits, settings=settings)
         atexit.register(_watching.stop)
     return _watching
 

@@ -25,8 +25,12 @@ watched (``entered/<node_id>/<local_rank>``), and a mark from an earlier generat
 on purpose (a preempted node after its handoff, the end of the job) is marked too, truthfully; no generation it is
 still a member of is trained in by then.
 
-What this cannot see: a host that vanished (power, kernel, network) closes nothing, and a frozen process keeps its
-sockets; both are still taken for dead at the heartbeat timeout. A listening socket is reachable wherever the
+A host that vanished (power, kernel, network) closes nothing, and a frozen process keeps its sockets. So the
+connection is probed (TCP keepalive every second, ended when nothing was acknowledged for
+``elastic.unreachable_timeout_s``: a host gone silent), and the watched member's heartbeat is read every
+:data:`HEARTBEAT_READ_S` (unchanged for ``elastic.heartbeat_timeout_s`` on the watcher's clock: a frozen process,
+whose kernel still answers the probes); either writes the same mark, saying how (``how``), and when the member was
+last known alive (``alive_at``: its last beat). A listening socket is reachable wherever the
 process group's own sockets are (gloo and NCCL listen on ephemeral ports of the same address), so a refusal means no
 listener, not a firewall. ``elastic.watch_exits: false`` turns it off; so does torchrun's restart path
 (``LIGHTNING_EMIG_LIVE_MEMBERSHIP=0``), where no agent marks a death either.
@@ -41,6 +45,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import os
 import select
 import socket
@@ -48,9 +53,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lightning_emig.launcher.generation import LAST_DEATH_KEY, GenerationInfo
+from lightning_emig.collective_sockets import not_a_group_socket
+from lightning_emig.launcher.generation import LAST_DEATH_KEY, GenerationInfo, heartbeat_key
+from lightning_emig.launcher.heartbeat import HeartbeatWatch
 
 log = logging.getLogger(__name__)
+
+HEARTBEAT_READ_S = 0.5
+"""How often a watcher reads the watched member's heartbeat (a frozen process is found this much after its timeout)."""
 
 RETRY_S = 1.0
 """How long a watcher waits before it tries again to reach a member whose endpoint is not published yet or whose
@@ -71,6 +81,7 @@ os.register_at_fork(after_in_child=_close_in_forked_child)
 
 def _track(sock: socket.socket) -> socket.socket:
     _open_sockets.append(sock)
+    not_a_group_socket(sock)  # a peer's exit is seen here: never shut down with the process groups' connections
     return sock
 
 
@@ -104,6 +115,17 @@ def member_exited(client: Any, node_id: str, local_rank: int, generation: int) -
     mark = json.loads(client.get(mark_key))
     current = mark.get("endpoint") == client.get(current_key).decode()
     return mark if current and int(mark.get("generation", -1)) >= generation else None
+
+
+CLOSED, REFUSED, UNREACHABLE = "its connection closed", "its endpoint refused a connection", "its host stopped answering"
+"""How a watcher saw a process go (a mark's ``how``); a heartbeat that stopped says for how long."""
+
+
+def gone_how(mark: dict[str, Any]) -> str:
+    """How the process a mark names went, for the logs: ``exited`` (its host's kernel said so), or ``is gone: ...``
+    (its host stopped answering, or its heartbeat stopped: a frozen process, or a host that vanished)."""
+    how = mark.get("how", CLOSED)
+    return "exited" if how in (CLOSED, REFUSED) else f"is gone: {how}"
 
 
 def _read_int(client: Any, key: str) -> int:
@@ -155,17 +177,32 @@ class ExitListener:
         self._held.clear()
 
 
-def _ended(conn: socket.socket) -> bool:
-    """Whether the other end of a connection has gone (end of stream, reset); never blocks."""
+def _ended(conn: socket.socket) -> str | None:
+    """How the other end of a connection has gone (end of stream, reset, no answer), or None; never blocks."""
     readable, _, _ = select.select([conn], [], [], 0)
     if not readable:
-        return False
+        return None
     try:
-        return conn.recv(1) == b""  # nothing is ever sent here: readable means the end (or a stray byte: alive)
+        # nothing is ever sent here: readable means the end (or a stray byte: alive)
+        return CLOSED if conn.recv(1) == b"" else None
     except (BlockingIOError, InterruptedError):
-        return False
+        return None
+    except TimeoutError:  # the keepalive's probes went unanswered (see _keep_alive)
+        return UNREACHABLE
     except OSError:
-        return True
+        return CLOSED
+
+
+def _keep_alive(sock: socket.socket, timeout_s: float) -> None:
+    """Probe the peer's host every second while the connection is idle, and end the connection when nothing has been
+    acknowledged for ``timeout_s`` (Linux's ``TCP_USER_TIMEOUT``): a host that vanished is found in that time, where
+    without it an idle connection to it would stay open for hours. The probes are answered by the peer's kernel, so
+    a live but busy (or frozen) process never fails them."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", 1), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", max(1, math.ceil(timeout_s))),
+                          ("TCP_USER_TIMEOUT", max(1, int(timeout_s * 1000)))):
+        if hasattr(socket, option):  # Linux; elsewhere the system's keepalive defaults apply
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 class ExitWatch:
@@ -173,8 +210,13 @@ class ExitWatch:
     made without waiting and looked at again on the next poll; the store is read only when the member watched
     changes (another generation, an exit seen)."""
 
-    def __init__(self, client: Any, node_id: str, local_rank: int) -> None:
+    def __init__(self, client: Any, node_id: str, local_rank: int, *, heartbeat_timeout_s: float = 10.0,
+                 unreachable_timeout_s: float = 2.0) -> None:
         self._client = client
+        self._heartbeat_timeout_s, self._unreachable_timeout_s = heartbeat_timeout_s, unreachable_timeout_s
+        self._beats: HeartbeatWatch | None = None
+        """The watched member's heartbeat, judged on this process's clock (one watch per member watched)."""
+        self._beats_read_at = 0.0
         self._me = (node_id, local_rank)
         self._generation = -1
         self._ring: list[tuple[str, int]] = []
@@ -197,17 +239,37 @@ class ExitWatch:
             self._generation, self._target = generation, None
             self._ring = list(members().members) if generation >= 0 else []
         if self._target is None:
-            self._target = self._successor()
+            self._target, self._beats = self._successor(), None
             if self._target is None:
                 return None
+        last_beat = self._heartbeat_stopped()
+        if last_beat is not None:
+            return self._exited(f"its heartbeat stopped for {self._heartbeat_timeout_s:g}s", alive_at=last_beat)
         if self._sock is None:
             return self._connect() if time.monotonic() >= self._retry_at else None
         if not self._connected:
             return self._finish_connect()
-        return self._exited("its connection closed") if _ended(self._sock) else None
+        ended = _ended(self._sock)
+        return self._exited(ended) if ended is not None else None
 
     def close(self) -> None:
         self._drop()
+
+    def _heartbeat_stopped(self) -> float | None:
+        """The last beat (its writer's ``time.time()``) of the watched member, whose endpoint is known, when its
+        heartbeat has stopped; else None. Read every :data:`HEARTBEAT_READ_S`; a member that never beat — not started,
+        or not under the launcher — is not judged."""
+        now = time.monotonic()
+        if self._endpoint is None or now - self._beats_read_at < HEARTBEAT_READ_S:
+            return None
+        self._beats_read_at = now
+        assert self._target is not None
+        key = heartbeat_key(*self._target)
+        if not self._client.check([key]):
+            return None
+        if self._beats is None:
+            self._beats = HeartbeatWatch(self._client, self._heartbeat_timeout_s)
+        return float(self._client.get(key)) if self._beats.stale_key(key) else None
 
     def _successor(self) -> tuple[str, int] | None:
         if self._me not in self._ring:
@@ -238,6 +300,7 @@ class ExitWatch:
             return self._failed_connect(exc.errno or errno.EHOSTUNREACH)
         sock = _track(socket.socket(family, kind, proto))
         sock.setblocking(False)
+        _keep_alive(sock, self._unreachable_timeout_s)
         self._sock, self._connected = sock, False
         code = sock.connect_ex(address)
         if code in (0, errno.EINPROGRESS, errno.EAGAIN, errno.EWOULDBLOCK):
@@ -257,20 +320,25 @@ class ExitWatch:
 
     def _failed_connect(self, code: int) -> str | None:
         if code == errno.ECONNREFUSED and self._entered >= self._generation:  # nothing listens there any more
-            return self._exited("its endpoint refused a connection")
+            return self._exited(REFUSED)
         log.debug("exit watch: could not reach %s (%s); trying again", self._endpoint, os.strerror(code))
         self._drop()
         self._retry_at = time.monotonic() + RETRY_S
         return None
 
-    def _exited(self, how: str) -> str:
+    def _exited(self, how: str, alive_at: float | None = None) -> str:
+        """Mark the watched member's process gone (``how``; ``alive_at``: when it was last known alive, if before
+        now)."""
         assert self._target is not None and self._endpoint is not None
         node_id, local_rank = self._target
+        now = time.time()
         self._client.set(exited_key(node_id, local_rank), json.dumps(
-            {"endpoint": self._endpoint, "time": time.time(), "by": self._me[0], "generation": self._generation}))
+            {"endpoint": self._endpoint, "time": now, "by": self._me[0], "generation": self._generation, "how": how,
+             "alive_at": now if alive_at is None else alive_at}))
         self._client.set(LAST_DEATH_KEY, json.dumps({"node_id": node_id, "time": time.time(), "exited": True}))
         self._gone.add(self._endpoint)
-        message = f"the process of node {node_id}'s worker {local_rank} exited ({how}, seen from node {self._me[0]})"
+        verb = "exited" if how in (CLOSED, REFUSED) else "is gone"
+        message = f"the process of node {node_id}'s worker {local_rank} {verb} ({how}, seen from node {self._me[0]})"
         self._drop()
         self._target = None  # the next poll moves on to the member after it
         return message

@@ -61,7 +61,7 @@ from lightning_emig.launcher.generation import (
     read_generation,
 )
 from lightning_emig.launcher.heartbeat import HeartbeatWatch
-from lightning_emig.membership.exit_watch import member_exited
+from lightning_emig.membership.exit_watch import gone_how, member_exited
 from lightning_emig.membership.group import enter_generation
 from lightning_emig.membership.handoff import LiveHandoff
 from lightning_emig.membership.settings import FailureSettings
@@ -365,8 +365,8 @@ def _decide_survivors(
             if rank in reported or node in found_by:
                 continue
             # A process seen exiting is dead before its heartbeat could go stale.
-            if member_exited(client, node, local_rank, exits_since) is not None:
-                found_by[node] = f"worker {local_rank}'s process exited"
+            if (exited := member_exited(client, node, local_rank, exits_since)) is not None:
+                found_by[node] = f"worker {local_rank}'s process {gone_how(exited)}"
             elif heartbeats.stale(node, local_rank):
                 found_by[node] = f"worker {local_rank}'s heartbeat stopped"
         dead_nodes = set(found_by)
@@ -391,7 +391,7 @@ def _last_seen_alive(client: Any, node_id: str, local_rank: int, generation: int
     none says. For the report's phases only (see :func:`_detection_phases`)."""
     marked = read_dead_mark(client, node_id) or member_exited(client, node_id, local_rank, generation)
     if marked is not None and "time" in marked:
-        return float(marked["time"])
+        return float(marked.get("alive_at", marked["time"]))
     beat = heartbeat_key(node_id, local_rank)
     return float(client.get(beat)) if client.check([beat]) else None
 

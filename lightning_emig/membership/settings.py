@@ -39,7 +39,9 @@ class FailureSettings:
     failure_timeout_s: float = 120.0
     below_min_timeout_s: float = 300.0
     watch_exits: bool = True
-    """Take a peer whose process exited for dead at once (:mod:`~lightning_emig.membership.exit_watch`)."""
+    """Take a peer whose process exited, whose host stopped answering or whose heartbeat stopped for dead before any
+    collective fails (:mod:`~lightning_emig.membership.exit_watch`)."""
+    unreachable_timeout_s: float = 2.0
 
 
 @dataclass(frozen=True, slots=True)

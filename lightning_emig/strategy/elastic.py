@@ -195,7 +195,7 @@ class ElasticMigrationStrategy(HybridLayoutStrategy):
                 keep_freed_host_memory()  # each step reuses the last one's pages (see lightning_emig.host_memory)
             start_heartbeat(self.failure_settings.heartbeat_interval_s, self.failure_settings.heartbeat_timeout_s)
             # A peer's death stops this process's compute at once.
-            start_death_watch(lambda: self.generation,
+            start_death_watch(lambda: self.generation, self.failure_settings,
                               exits=self.failure_settings.watch_exits and live_membership_from_env())
         backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
         self.generation = form_generation_group(Arrival(

@@ -99,7 +99,7 @@ def failure_settings(cfg: TrainConfig) -> FailureSettings:
     return FailureSettings(
         heartbeat_interval_s=elastic.heartbeat_interval_s, heartbeat_timeout_s=elastic.heartbeat_timeout_s,
         failure_timeout_s=elastic.failure_timeout_s, below_min_timeout_s=elastic.below_min_timeout_s,
-        watch_exits=elastic.watch_exits,
+        watch_exits=elastic.watch_exits, unreachable_timeout_s=elastic.unreachable_timeout_s,
     )
 
 
