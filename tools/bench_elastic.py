@@ -15,8 +15,11 @@ For every model, event and round, the event is run twice, one path after the oth
   and trains on alone (one ``failure`` event, 2 -> 1); ``restart``: torchrun restarts both workers from the newest
   checkpoint (one ``restart`` event, 2 -> 2).
 * ``node_failure`` (only when asked for): the same, but B's agent is SIGKILLed with its worker, the whole node gone:
-  nobody marks it dead, so the live path's survivor waits out ``elastic.heartbeat_timeout_s`` (default 10 s) before
-  it may take B for dead. Live path only: no agent sees that failure, and A's worker recovers by itself either way.
+  nobody marks it dead; the survivor sees B's process exit (its host's kernel closes its sockets). Live path only: no
+  agent sees that failure, and A's worker recovers by itself either way.
+* ``node_frozen`` (only when asked for): the same, but B's agent and worker are frozen with SIGSTOP: alive, their
+  sockets open, nothing answers; the survivor takes B for dead once its heartbeat has not changed for
+  ``elastic.heartbeat_timeout_s`` (default 10 s), and ends its own collectives waiting on B. Live path only.
 * ``preempt``: A and B train sharded (FSDP); after ``--join-after`` steps B's agent gets SIGTERM, a preemption
   notice. ``live``: B hands its shards to A and exits (one ``preempt`` event, 2 -> 1); ``restart``: the notice is
   torchrun's SIGTERM, and A rolls back alone to the newest checkpoint (a ``failure`` event, 2 -> 1; A's worker is
@@ -74,8 +77,9 @@ sys.path.insert(0, str(REPO))
 from lightning_emig.testing.departure_downtime import has_path, measure_departure  # noqa: E402
 from lightning_emig.testing.join_downtime import PATHS, measure_join  # noqa: E402
 
-EVENTS = ("join", "preempt", "failure", "node_failure")
-DEPARTURES = {"preempt": "preemption", "failure": "worker_failure", "node_failure": "node_failure"}
+EVENTS = ("join", "preempt", "failure", "node_failure", "node_frozen")
+DEPARTURES = {"preempt": "preemption", "failure": "worker_failure", "node_failure": "node_failure",
+              "node_frozen": "node_frozen"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -84,7 +88,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--events", nargs="+", default=list(EVENTS[:3]), choices=EVENTS,
                    help="join: node B joins A (1 -> 2); preempt: B's agent gets a notice (2 -> 1); failure: B's "
                         "worker is SIGKILLed under HSDP (2 -> 1 live); node_failure: B's agent is SIGKILLed with its "
-                        "worker (live only; not in the default set: the live path waits out the heartbeat timeout)")
+                        "worker (live only, not in the default set); node_frozen: B's agent and worker are frozen with "
+                        "SIGSTOP (live only, not in the default set: found at the heartbeat timeout)")
     p.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS),
                    help="live: the change moves the state between running workers; restart: torchrun's behaviour "
                         "(every worker restarts from the newest checkpoint); ratios need both")

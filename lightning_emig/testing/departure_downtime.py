@@ -16,6 +16,9 @@ event (plus what it recomputes) every agent is stopped. How B leaves:
   ``worker_failure`` (one ``failure`` event, 2 -> 1). There is no restart path to compare with: with B's agent gone,
   no agent sees a failure, and A's worker recovers by itself on either path (measured: the same ``failure`` event,
   rebuilt from the replica; on the restart path, which watches no exits, at the heartbeat timeout);
+* ``node_frozen``: B's agent and worker get SIGSTOP, under ``layout=hsdp``: alive, sockets open, nothing answers, as
+  a hung host; the survivor's watcher finds B's heartbeat stopped and ends the collectives waiting on B
+  (:mod:`~lightning_emig.collective_sockets`). ``live`` only, as ``node_failure``; B is killed once measured;
 * ``preemption``: B's agent gets SIGTERM (the notice a cloud gives a preempted VM), under the default sharded
   layout. ``live``: B's worker hands its shards over point to point and exits; A trains on alone (one ``preempt``
   event, 2 -> 1). ``restart``: the notice is torchrun's SIGTERM (B's agent kills its worker and exits); A's worker
@@ -42,18 +45,20 @@ from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.join_downtime import PATHS, event_record, last_step
 from lightning_emig.testing.nodes import log_tail, start_node, wait_for
 
-How = Literal["worker_failure", "node_failure", "preemption"]
+How = Literal["worker_failure", "node_failure", "node_frozen", "preemption"]
 
 EVENT: dict[tuple[How, str], tuple[str, int, int]] = {
     ("worker_failure", "live"): ("failure", 2, 1),
     ("worker_failure", "restart"): ("restart", 2, 2),
     ("node_failure", "live"): ("failure", 2, 1),
+    ("node_frozen", "live"): ("failure", 2, 1),
     ("preemption", "live"): ("preempt", 2, 1),
     ("preemption", "restart"): ("failure", 2, 1),
 }
 """(kind, old world, new world) of the event each path records for each way of leaving."""
 
-LAYOUT: dict[How, list[str]] = {"worker_failure": ["layout=hsdp"], "node_failure": ["layout=hsdp"], "preemption": []}
+LAYOUT: dict[How, list[str]] = {"worker_failure": ["layout=hsdp"], "node_failure": ["layout=hsdp"],
+                                 "node_frozen": ["layout=hsdp"], "preemption": []}
 """A live rebuild after a failure needs a replica; a drain moves shards, so the default sharded layout."""
 
 
@@ -104,6 +109,9 @@ def measure_departure(
             agents["b"].send_signal(signal.SIGTERM)
         elif how == "node_failure":
             kill_tree(agents["b"].pid)
+        elif how == "node_frozen":  # the agent first: it must not see its worker stop
+            for pid in [agents["b"].pid, *(p for p in descendants(agents["b"].pid) if is_alive(p))]:
+                os.kill(pid, signal.SIGSTOP)
         else:
             for pid in [p for p in descendants(agents["b"].pid) if is_alive(p)]:
                 os.kill(pid, signal.SIGKILL)
