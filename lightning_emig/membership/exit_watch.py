@@ -250,7 +250,10 @@ class ExitWatch:
         if not self._connected:
             return self._finish_connect()
         ended = _ended(self._sock)
-        return self._exited(ended) if ended is not None else None
+        if ended is None:
+            return None
+        # A silent host was last heard from a keepalive timeout ago (the connection ends that long after its last ack).
+        return self._exited(ended, alive_at=time.time() - self._unreachable_timeout_s if ended == UNREACHABLE else None)
 
     def close(self) -> None:
         self._drop()
