@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
@@ -37,6 +35,7 @@ from lightning_emig.membership.death_watch import DeathWatch, PeerDeathNoticed
 from lightning_emig.membership.exit_watch import ExitWatch, endpoint_key, exited_key, member_exited
 from lightning_emig.membership.failure import _decide_survivors, report_key
 from lightning_emig.membership.settings import FailureSettings
+from lightning_emig.testing.netns import can_make_network_namespaces, host_behind_a_link
 
 HOST = "127.0.0.1"
 
@@ -202,49 +201,18 @@ def test_a_frozen_peer_is_marked_once_its_heartbeat_stops(store: dist.TCPStore) 
         b.stop_all()
 
 
-def _can_make_network_namespaces() -> bool:
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        return False
-    name = f"emig-probe-{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
-    if made:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return made
-
-
-@contextlib.contextmanager
-def _host_behind_a_link() -> Iterator[tuple[str, str, list[str], Callable[[], object]]]:
-    """A network namespace joined to this one by a virtual link: (this side's address, its side's, the command prefix
-    that runs a process there, what cuts its link: its host gone silent, as when its network or power goes)."""
-    name, link = f"emig-{os.getpid()}", f"emig{os.getpid() % 100000}"
-    run = functools.partial(subprocess.run, check=True, capture_output=True)
-    inside = ["ip", "netns", "exec", name]
-    run(["ip", "netns", "add", name])
-    try:
-        run(["ip", "link", "add", f"{link}a", "type", "veth", "peer", "name", f"{link}b"])
-        run(["ip", "link", "set", f"{link}b", "netns", name])
-        run(["ip", "addr", "add", "10.231.7.1/24", "dev", f"{link}a"])
-        run(["ip", "link", "set", f"{link}a", "up"])
-        run([*inside, "ip", "addr", "add", "10.231.7.2/24", "dev", f"{link}b"])
-        run([*inside, "ip", "link", "set", f"{link}b", "up"])
-        yield "10.231.7.1", "10.231.7.2", inside, lambda: run([*inside, "ip", "link", "set", f"{link}b", "down"])
-    finally:
-        subprocess.run(["ip", "link", "del", f"{link}a"], capture_output=True)
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
-
-
-@pytest.mark.skipif(not _can_make_network_namespaces(), reason="needs root and network namespaces (ip netns)")
+@pytest.mark.skipif(not can_make_network_namespaces(), reason="needs root and network namespaces (ip netns)")
 def test_a_peer_whose_host_vanished_is_marked_once_its_host_stops_answering(store: dist.TCPStore) -> None:
     """The peer runs behind a virtual link, which is cut: its process lives on, nothing is closed, no packet comes
     back. The watcher's connection ends by the keepalive's timeout (``elastic.unreachable_timeout_s``), not at the
     heartbeat timeout (an hour here)."""
     members = _members("a", "f")
-    with _host_behind_a_link() as (here, there, inside, cut):
-        f = _Peer(store, "f", address=there, prefix=inside, store_host=here)
+    with host_behind_a_link() as host:
+        f = _Peer(store, "f", address=host.there, prefix=host.prefix, store_host=host.here)
         try:
             watch = ExitWatch(store, "a", 0, heartbeat_timeout_s=3600.0, unreachable_timeout_s=1.0)
             assert _polls(watch, members, 0.5) == []  # connected, alive
-            cut()
+            host.cut()
             noticed = _poll_until_noticed(watch, members)
             assert "node f's worker 0 is gone (its host stopped answering, seen from node a)" in noticed, noticed
             assert member_exited(store, "f", 0, 0)["endpoint"] == f.endpoint  # type: ignore[index]

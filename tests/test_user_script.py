@@ -20,6 +20,7 @@ the test says on any machine:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -28,6 +29,7 @@ import subprocess
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -45,6 +47,7 @@ from lightning_emig.testing.commands import (
     run_command,
 )
 from lightning_emig.testing.distributed import free_port
+from lightning_emig.testing.netns import HostBehindALink, can_make_network_namespaces, host_behind_a_link
 from lightning_emig.testing.nodes import (
     REPO,
     assert_agents_succeed,
@@ -95,13 +98,20 @@ def endpoint() -> Iterator[str]:
 
 def _start(tmp_path: Path, name: str, addr: str, port: int, *, layout: list[str], hosts_store: bool,
            max_restarts: int = 0, hold_steps: str = "", etcd: str | None = None, processes: int = 1,
-           test_env: dict[str, str] | None = None) -> subprocess.Popen:
-    """One node; with ``etcd`` (a server's host:port) the rendezvous is etcd-v2's and no node hosts a store."""
+           test_env: dict[str, str] | None = None, link: tuple[HostBehindALink, bool] | None = None
+           ) -> subprocess.Popen:
+    """One node; with ``etcd`` (a server's host:port) the rendezvous is etcd-v2's and no node hosts a store. ``link``:
+    the nodes talk over a virtual link, this one on its far side (in the namespace) or not; ``addr`` is ignored."""
     env = {"LIGHTNING_EMIG_TEST_RUN_MODULE": EXAMPLE, "LIGHTNING_EMIG_TEST_HOLD_DIR": str(tmp_path),
            "LIGHTNING_EMIG_TEST_HOLD_STEPS_FOR_JOINERS": "1", "LIGHTNING_EMIG_TEST_HOLD_AT_STEPS": hold_steps,
            **(test_env or {})}
-    backend = {"rdzv_backend": "etcd-v2", "rdzv_endpoint": etcd} if etcd else {
+    backend: dict[str, Any] = {"rdzv_backend": "etcd-v2", "rdzv_endpoint": etcd} if etcd else {
         "rdzv_conf": f"is_host={str(hosts_store).lower()}"}
+    if link is not None:  # gloo binds where this host's name resolves unless told the link's device
+        host, far = link
+        addr = host.there if far else host.here
+        env["GLOO_SOCKET_IFNAME"] = host.there_device if far else host.here_device
+        backend.update(rdzv_endpoint=f"{host.here}:{port}", prefix=host.prefix if far else ())
     return start_node(tmp_path, name, local_addr=addr, port=port, run_dir=tmp_path / "run", rdzv_id="user-script",
                       train_args=[*ARGS, "--ledger", *layout], nnodes="1:2", env=env, max_restarts=max_restarts,
                       module="lightning_emig.testing.held_train", run_dir_args=["--out", str(tmp_path / "run")],
@@ -307,8 +317,12 @@ def test_a_join_whose_arrived_state_fails_its_proof_is_never_trained_on(tmp_path
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("kill", ["worker_with_replicas", "node_without_replicas", "node_frozen",
-                                  pytest.param("node_before_any_checkpoint", marks=pytest.mark.long)])
+@pytest.mark.parametrize("kill", [
+    "worker_with_replicas", "node_without_replicas", "node_frozen",
+    pytest.param("node_before_any_checkpoint", marks=pytest.mark.long),
+    pytest.param("host_vanished", marks=[pytest.mark.long, pytest.mark.skipif(
+        not can_make_network_namespaces(), reason="needs root and network namespaces (ip netns)")]),
+])
 def test_the_script_survives_a_killed_peer(tmp_path: Path, reference: Future, kill: str) -> None:
     layout = ["--dp-replicate", "2"] if kill == "worker_with_replicas" else []
     kill_at = 8 if kill == "node_before_any_checkpoint" else 25
@@ -318,10 +332,14 @@ def test_the_script_survives_a_killed_peer(tmp_path: Path, reference: Future, ki
     hold = ({"LIGHTNING_EMIG_TEST_HOLD_IN_STEP_AFTER": str(kill_at)}, "5,60") if replicas else ({}, f"5,{kill_at},60")
     port = free_port()
     agents: dict[str, subprocess.Popen] = {}
+    network = contextlib.ExitStack()  # host_vanished: B behind a virtual link, which is cut
+    host = network.enter_context(host_behind_a_link()) if kill == "host_vanished" else None
+    silent = kill in ("node_frozen", "host_vanished")  # alive, sockets open, nothing answers
     try:
         agents["a"] = _start(tmp_path, "a", "127.0.0.2", port, layout=layout, hosts_store=True, max_restarts=1,
-                             hold_steps=hold[1], test_env=hold[0])
-        agents["b"] = _start(tmp_path, "b", "127.0.0.3", port, layout=layout, hosts_store=False, max_restarts=1)
+                             hold_steps=hold[1], test_env=hold[0], link=(host, False) if host else None)
+        agents["b"] = _start(tmp_path, "b", "127.0.0.3", port, layout=layout, hosts_store=False, max_restarts=1,
+                             link=(host, True) if host else None)
         _held_at(tmp_path, 5, agents)
         wait_for(lambda: "world 2 on 2 node(s)" in _log(tmp_path, "a", 100000), 120, "no world of two")
         _release(tmp_path, 5)
@@ -336,15 +354,17 @@ def test_the_script_survives_a_killed_peer(tmp_path: Path, reference: Future, ki
                 os.kill(pid, signal.SIGKILL)
             wait_for(lambda: "death watch: node" in _log(tmp_path, "a", 100000), 60,
                      f"A's death watch never saw B marked dead:\n{_log(tmp_path, 'a')}\n{_log(tmp_path, 'b')}")
-        elif kill == "node_frozen":  # alive, sockets open, nothing answers: only its heartbeat says it
+        elif kill == "node_frozen":  # only its heartbeat says it
             for pid in [agents["b"].pid, *b_workers]:
                 os.kill(pid, signal.SIGSTOP)
+        elif host is not None:  # its host silent: the keepalive of A's watch says it
+            host.cut()
         else:
             kill_tree(agents["b"].pid)
         _release(tmp_path, kill_at)
-        if kill == "node_frozen":  # A, waiting on B in the boundary's collective, recovers without it
+        if silent:  # A, waiting on B in the boundary's collective, recovers without it
             wait_for(lambda: "ROLLED BACK to step" in _log(tmp_path, "a", 100000), 120,
-                     f"A never recovered from B's freeze:\n{_log(tmp_path, 'a')}")
+                     f"A never recovered from B's silence:\n{_log(tmp_path, 'a')}")
             kill_tree(agents["b"].pid)
         if kill == "worker_with_replicas":  # B's agent starts a fresh worker, which joins at step 60
             _held_at(tmp_path, 60, agents)
@@ -357,6 +377,7 @@ def test_the_script_survives_a_killed_peer(tmp_path: Path, reference: Future, ki
         assert not any(is_alive(p) for p in b_workers), "B's old worker outlived the failure"
     finally:
         stop_agents(agents)
+        network.close()
     checked = _check_run(tmp_path, reference, a_workers)
     events = [e for e in checked["events"] if e["kind"] != "join" or e["step"] > 5]  # the world may form by a join
     kinds = [(e["kind"], e["old_world"], e["new_world"]) for e in events]
@@ -376,10 +397,12 @@ def test_the_script_survives_a_killed_peer(tmp_path: Path, reference: Future, ki
         assert failure["step"] == restored and failure["steps_rolled_back"] == kill_at - restored, failure
         a_log = (tmp_path / "a.log").read_text()
         assert f"ROLLED BACK to step {restored}" in a_log
-        if kill == "node_frozen":
-            # A's watcher saw B's heartbeat stop, and ended A's collective waiting on B (not at its 60 s timeout).
-            assert re.search(r"found dead in generation \d+: node \S+ \(worker 0's process is gone: its heartbeat "
-                             r"stopped for 3s\)", a_log), a_log[-3000:]
+        if silent:
+            # A's watcher saw B's heartbeat stop, or B's host stop answering, and ended A's collective waiting on B
+            # (not at its 60 s timeout).
+            how = "its heartbeat stopped for 3s" if kill == "node_frozen" else "its host stopped answering"
+            assert re.search(rf"found dead in generation \d+: node \S+ \(worker 0's process is gone: {how}\)",
+                             a_log), a_log[-3000:]
             assert "death watch: shut down" in a_log and "Connection closed by peer" in a_log, a_log[-3000:]
         else:
             # Nobody was left to mark B dead: A saw its worker's process exit, and did not wait for its heartbeat.

@@ -20,6 +20,9 @@ For every model, event and round, the event is run twice, one path after the oth
 * ``node_frozen`` (only when asked for): the same, but B's agent and worker are frozen with SIGSTOP: alive, their
   sockets open, nothing answers; the survivor takes B for dead once its heartbeat has not changed for
   ``elastic.heartbeat_timeout_s`` (default 10 s), and ends its own collectives waiting on B. Live path only.
+* ``host_vanish`` (only when asked for; root only): the same, but B runs in a network namespace of its own whose
+  link is cut: its host silent, as when its power or network goes; the survivor's watcher finds it after
+  ``elastic.unreachable_timeout_s`` (default 2 s). Live path only.
 * ``preempt``: A and B train sharded (FSDP); after ``--join-after`` steps B's agent gets SIGTERM, a preemption
   notice. ``live``: B hands its shards to A and exits (one ``preempt`` event, 2 -> 1); ``restart``: the notice is
   torchrun's SIGTERM, and A rolls back alone to the newest checkpoint (a ``failure`` event, 2 -> 1; A's worker is
@@ -77,9 +80,9 @@ sys.path.insert(0, str(REPO))
 from lightning_emig.testing.departure_downtime import has_path, measure_departure  # noqa: E402
 from lightning_emig.testing.join_downtime import PATHS, measure_join  # noqa: E402
 
-EVENTS = ("join", "preempt", "failure", "node_failure", "node_frozen")
+EVENTS = ("join", "preempt", "failure", "node_failure", "node_frozen", "host_vanish")
 DEPARTURES = {"preempt": "preemption", "failure": "worker_failure", "node_failure": "node_failure",
-              "node_frozen": "node_frozen"}
+              "node_frozen": "node_frozen", "host_vanish": "host_vanish"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -89,7 +92,8 @@ def parse_args() -> argparse.Namespace:
                    help="join: node B joins A (1 -> 2); preempt: B's agent gets a notice (2 -> 1); failure: B's "
                         "worker is SIGKILLed under HSDP (2 -> 1 live); node_failure: B's agent is SIGKILLed with its "
                         "worker (live only, not in the default set); node_frozen: B's agent and worker are frozen with "
-                        "SIGSTOP (live only, not in the default set: found at the heartbeat timeout)")
+                        "SIGSTOP (live only, not in the default set: found at the heartbeat timeout); host_vanish: B runs "
+                        "in a network namespace whose link is cut (live only, root only, not in the default set)")
     p.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS),
                    help="live: the change moves the state between running workers; restart: torchrun's behaviour "
                         "(every worker restarts from the newest checkpoint); ratios need both")

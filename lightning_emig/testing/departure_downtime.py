@@ -19,6 +19,10 @@ event (plus what it recomputes) every agent is stopped. How B leaves:
 * ``node_frozen``: B's agent and worker get SIGSTOP, under ``layout=hsdp``: alive, sockets open, nothing answers, as
   a hung host; the survivor's watcher finds B's heartbeat stopped and ends the collectives waiting on B
   (:mod:`~lightning_emig.collective_sockets`). ``live`` only, as ``node_failure``; B is killed once measured;
+* ``host_vanish``: B runs in a network namespace of its own (:mod:`~lightning_emig.testing.netns`; root only), whose
+  link is cut, under ``layout=hsdp``: its processes live on, nothing is closed, no packet comes back, as when a host's
+  power or network goes; the survivor's watcher finds B's host silent (``elastic.unreachable_timeout_s``). ``live``
+  only; B is killed once measured;
 * ``preemption``: B's agent gets SIGTERM (the notice a cloud gives a preempted VM), under the default sharded
   layout. ``live``: B's worker hands its shards over point to point and exits; A trains on alone (one ``preempt``
   event, 2 -> 1). ``restart``: the notice is torchrun's SIGTERM (B's agent kills its worker and exits); A's worker
@@ -31,6 +35,7 @@ event (plus what it recomputes) every agent is stopped. How B leaves:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -43,22 +48,24 @@ from lightning_emig.strategy.resume import newest_checkpoint
 from lightning_emig.testing.commands import descendants, is_alive, kill_tree
 from lightning_emig.testing.distributed import free_port
 from lightning_emig.testing.join_downtime import PATHS, event_record, last_step
+from lightning_emig.testing.netns import HostBehindALink, host_behind_a_link
 from lightning_emig.testing.nodes import log_tail, start_node, wait_for
 
-How = Literal["worker_failure", "node_failure", "node_frozen", "preemption"]
+How = Literal["worker_failure", "node_failure", "node_frozen", "host_vanish", "preemption"]
 
 EVENT: dict[tuple[How, str], tuple[str, int, int]] = {
     ("worker_failure", "live"): ("failure", 2, 1),
     ("worker_failure", "restart"): ("restart", 2, 2),
     ("node_failure", "live"): ("failure", 2, 1),
     ("node_frozen", "live"): ("failure", 2, 1),
+    ("host_vanish", "live"): ("failure", 2, 1),
     ("preemption", "live"): ("preempt", 2, 1),
     ("preemption", "restart"): ("failure", 2, 1),
 }
 """(kind, old world, new world) of the event each path records for each way of leaving."""
 
 LAYOUT: dict[How, list[str]] = {"worker_failure": ["layout=hsdp"], "node_failure": ["layout=hsdp"],
-                                 "node_frozen": ["layout=hsdp"], "preemption": []}
+                                 "node_frozen": ["layout=hsdp"], "host_vanish": ["layout=hsdp"], "preemption": []}
 """A live rebuild after a failure needs a replica; a drain moves shards, so the default sharded layout."""
 
 
@@ -74,17 +81,35 @@ def measure_departure(
     """Node B leaves ``how`` on ``path`` (``live`` or ``restart``); returns the event's record."""
     if not has_path(how, path):
         raise ValueError(f"{how} has no {path} path to measure (see lightning_emig.testing.departure_downtime)")
+    with host_behind_a_link() if how == "host_vanish" else contextlib.nullcontext() as host:
+        _leave(run_dir, train_args, path, how=how, after=after, steps_after=steps_after, timeout_s=timeout_s, host=host)
+    event = _event(run_dir, EVENT[how, path])
+    assert event is not None
+    return event_record(run_dir, how, path, event, model=model)
+
+
+def _event(run_dir: Path, kind: tuple[str, int, int]) -> dict[str, Any] | None:
+    return next((e for e in read_events(run_dir) if (e["kind"], e["old_world"], e["new_world"]) == kind), None)
+
+
+def _leave(run_dir: Path, train_args: Sequence[str], path: str, *, how: How, after: int, steps_after: int,
+           timeout_s: float, host: HostBehindALink | None) -> None:
+    """Start A and B (B behind ``host``'s link when given), let B leave ``how`` once the world of two is ready, and
+    stop both once the event's steps were trained."""
     port = free_port()
     agents: dict[str, subprocess.Popen] = {}
     # torchrun's restart path restarts every worker (a restart each); live, B's node stays out after its worker died,
     # so that A's steady steps alone follow the failure (B coming back would be a join, another event).
     b_stays_out = (how, path) == ("worker_failure", "live")
-    for i, name in enumerate(("a", "b")):
+    addresses = {"a": "127.0.0.2", "b": "127.0.0.3"} if host is None else {"a": host.here, "b": host.there}
+    for name in ("a", "b"):
         agents[name] = start_node(
-            run_dir.parent, f"{run_dir.name}-{name}", local_addr=f"127.0.0.{i + 2}", port=port, run_dir=run_dir,
+            run_dir.parent, f"{run_dir.name}-{name}", local_addr=addresses[name], port=port, run_dir=run_dir,
             train_args=[*train_args, *LAYOUT[how]], nnodes="1:2", rdzv_id=run_dir.name,
-            rdzv_conf=f"is_host={str(i == 0).lower()}", env=PATHS[path],
+            rdzv_conf=f"is_host={str(name == 'a').lower()}", env={**PATHS[path], **_gloo_device(host, name)},
             max_restarts=0 if name == "b" and b_stays_out else 1,
+            rdzv_endpoint=None if host is None else f"{host.here}:{port}",
+            prefix=host.prefix if host is not None and name == "b" else (),
         )
     kind = EVENT[how, path]
 
@@ -109,6 +134,8 @@ def measure_departure(
             agents["b"].send_signal(signal.SIGTERM)
         elif how == "node_failure":
             kill_tree(agents["b"].pid)
+        elif host is not None:
+            host.cut()
         elif how == "node_frozen":  # the agent first: it must not see its worker stop
             for pid in [agents["b"].pid, *(p for p in descendants(agents["b"].pid) if is_alive(p))]:
                 os.kill(pid, signal.SIGSTOP)
@@ -120,10 +147,10 @@ def measure_departure(
         for proc in agents.values():
             kill_tree(proc.pid)
             proc.wait(timeout=30)
-    event = _event(run_dir, kind)
-    assert event is not None
-    return event_record(run_dir, how, path, event, model=model)
 
 
-def _event(run_dir: Path, kind: tuple[str, int, int]) -> dict[str, Any] | None:
-    return next((e for e in read_events(run_dir) if (e["kind"], e["old_world"], e["new_world"]) == kind), None)
+def _gloo_device(host: HostBehindALink | None, name: str) -> dict[str, str]:
+    """Where gloo binds: by default the address this host's name resolves to, which the namespace cannot reach."""
+    if host is None:
+        return {}
+    return {"GLOO_SOCKET_IFNAME": host.here_device if name == "a" else host.there_device}

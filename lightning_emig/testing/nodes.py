@@ -26,6 +26,7 @@ def start_node(
     nnodes: str = "1:2", rdzv_id: str = "live-train", rdzv_conf: str = "", env: Mapping[str, str] | None = None,
     max_restarts: int = 0, module: str = "lightning_emig.train", run_dir_args: Sequence[str] | None = None,
     rdzv_backend: str = "c10d", rdzv_endpoint: str | None = None, nproc_per_node: int = 1,
+    prefix: Sequence[str] = (),
 ) -> subprocess.Popen:
     """One agent with ``nproc_per_node`` workers running ``python -m lightning_emig.train *train_args`` into
     ``run_dir``.
@@ -34,12 +35,13 @@ def start_node(
     ``rdzv_backend="etcd-v2"`` with ``rdzv_endpoint`` (an etcd server's ``host:port``) replaces the c10d store that
     one agent hosts at ``127.0.0.1:port``.
     ``max_restarts`` is torchrun's: a node whose worker failed needs one to rejoin the job.
+    ``prefix``: a command the agent runs under (another network namespace: :mod:`lightning_emig.testing.netns`).
     ``module`` replaces ``lightning_emig.train`` (e.g. ``lightning_emig.testing.held_train``); ``run_dir_args``
     tell it the run directory (default ``hydra.run.dir=<run_dir>``; a user's script: ``--out <run_dir>``).
     """
     conf = ",".join(filter(None, ["last_call_timeout=2", rdzv_conf]))
     cmd = [
-        sys.executable, "-m", "lightning_emig.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
+        *prefix, sys.executable, "-m", "lightning_emig.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
         f"--rdzv-backend={rdzv_backend}", f"--rdzv-endpoint={rdzv_endpoint or f'127.0.0.1:{port}'}",
         f"--rdzv-id={rdzv_id}",
         f"--rdzv-conf={conf}", f"--local-addr={local_addr}", f"--max-restarts={max_restarts}",
