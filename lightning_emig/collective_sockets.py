@@ -15,10 +15,13 @@ around the creation of a generation's default group and of every group created o
 killed peer, and the groups are destroyed by it as usual. Only connected sockets are shut down: a gloo listener shut
 down makes gloo's listening thread terminate the process.
 
-What a group's creation window may also create, and what is left alone: sockets other parts of this process declare
-theirs (:func:`not_a_group_socket`: the exit watch's), connections accepted by a listener that existed before the
-window (a store this process hosts), and every socket that existed before it (the control-store clients). NCCL's
-sockets are never recorded (its communicators have an abort of their own, not wired: untested without a GPU).
+A window is the whole process's: other threads may open sockets meanwhile (a mesh is built beside the training
+thread when a layout change is prepared ahead). What is left alone: sockets other parts of this process declare
+theirs (:func:`not_a_group_socket`: the exit watch's), connections to the control store, whenever they are opened
+(:func:`not_a_group_peer`: a lazily connecting etcd client, the rendezvous callback's client), connections accepted by
+a listener that existed before the window (a store this process hosts), and every socket that existed before it. The
+store client a first start's ``env://`` group opens is recorded with it: only that group uses it. NCCL's sockets are
+never recorded (its communicators have an abort of their own, not wired: untested without a GPU).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 from collections.abc import Iterator
 
 log = logging.getLogger(__name__)
@@ -37,12 +41,21 @@ _recorded_generation: int | None = None
 """The generation whose default group :data:`_recorded` belongs to; None: nothing recorded (no gloo default group)."""
 _foreign: set[int] = set()
 """Inodes of sockets declared not a group's (:func:`not_a_group_socket`)."""
+_foreign_peers: set[int] = set()
+"""Ports whose connections are never a group's (:func:`not_a_group_peer`)."""
+_lock = threading.Lock()
+"""One recording's bookkeeping, or one interrupt, at a time (the death watch's thread interrupts)."""
 
 
 def not_a_group_socket(sock: socket.socket) -> None:
     """``sock`` belongs to this package, not to a process group: never shut down with them, whenever it was made."""
     with contextlib.suppress(OSError):
         _foreign.add(os.fstat(sock.fileno()).st_ino)
+
+
+def not_a_group_peer(port: int) -> None:
+    """Connections to ``port`` (the control store's) are never a group's, whenever they are made."""
+    _foreign_peers.add(int(port))
 
 
 @contextlib.contextmanager
@@ -54,34 +67,39 @@ def recording_group_sockets(*, generation: int | None = None, gloo: bool = True)
     ``gloo``: False where the groups are not gloo's (nothing is recorded for that generation).
     """
     global _recorded_generation
-    if generation is not None:
-        _recorded.clear()
-        _recorded_generation = generation if gloo else None
-    if _recorded_generation is None or not gloo:
+    with _lock:
+        if generation is not None:
+            _recorded.clear()
+            _recorded_generation = generation if gloo else None
+        recording = _recorded_generation
+    if recording is None or not gloo:
         yield
         return
     before = _socket_inodes()
     existed = set(before.values())
     listeners = {port for port in (_listening_port(fd, inode) for fd, inode in before.items()) if port is not None}
     yield
-    for fd, inode in _socket_inodes().items():
-        if inode not in existed and inode not in _foreign and _is_group_connection(fd, inode, listeners):
-            _recorded.add(inode)
+    found = {inode for fd, inode in _socket_inodes().items()
+             if inode not in existed and inode not in _foreign and _is_group_connection(fd, inode, listeners)}
+    with _lock:
+        if _recorded_generation == recording:  # not if a newer generation's group formed meanwhile (another thread)
+            _recorded.update(found)
 
 
 def interrupt_group_sockets(generation: int) -> int:
     """Shut down the connections of ``generation``'s groups (see the module); how many. Nothing when the groups
     recorded are another generation's (this process moved on) or none were."""
-    if generation != _recorded_generation:
-        return 0
     shut = 0
-    for fd, inode in _socket_inodes().items():
-        if inode in _recorded and inode not in _foreign:
-            with _duplicate(fd, inode) as sock:
-                if sock is not None and not _listening(sock):
-                    with contextlib.suppress(OSError):  # already shut, or the peer reset it
-                        sock.shutdown(socket.SHUT_RDWR)
-                        shut += 1
+    with _lock:
+        if generation != _recorded_generation:
+            return 0
+        for fd, inode in _socket_inodes().items():
+            if inode in _recorded and inode not in _foreign:
+                with _duplicate(fd, inode) as sock:
+                    if sock is not None and not _listening(sock) and _peer_port(sock) not in _foreign_peers:
+                        with contextlib.suppress(OSError):  # already shut, or the peer reset it
+                            sock.shutdown(socket.SHUT_RDWR)
+                            shut += 1
     return shut
 
 
@@ -135,13 +153,17 @@ def _listening_port(fd: int, inode: int) -> int | None:
         return int(sock.getsockname()[1])
 
 
+def _peer_port(sock: socket.socket) -> int | None:
+    try:
+        return int(sock.getpeername()[1])
+    except OSError:  # not connected
+        return None
+
+
 def _is_group_connection(fd: int, inode: int, old_listeners: set[int]) -> bool:
-    """A TCP connection, not accepted by a listener older than the window."""
+    """A TCP connection, not to the control store, not accepted by a listener older than the window."""
     with _duplicate(fd, inode) as sock:
         if sock is None or not _tcp(sock) or _listening(sock):
             return False
-        try:
-            sock.getpeername()
-        except OSError:  # not connected
-            return False
-        return int(sock.getsockname()[1]) not in old_listeners
+        peer = _peer_port(sock)
+        return peer is not None and peer not in _foreign_peers and int(sock.getsockname()[1]) not in old_listeners

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_emig.collective_sockets import not_a_group_peer
+
 ETCD_SCHEME = "etcd://"
 
 
@@ -46,13 +48,18 @@ def parse_host_port(address: str) -> tuple[str, int]:
 
 
 def open_control_store(address: str, prefix: str, *, timeout_s: float) -> Any:
-    """A client of the control store at ``address`` (``host:port`` or ``etcd://host:port``), under ``prefix``."""
+    """A client of the control store at ``address`` (``host:port`` or ``etcd://host:port``), under ``prefix``.
+
+    Its connections are never taken for a process group's (:func:`~lightning_emig.collective_sockets.not_a_group_peer`):
+    they outlive every generation."""
     if address.startswith(ETCD_SCHEME):
         host, port = parse_host_port(address.removeprefix(ETCD_SCHEME))
+        not_a_group_peer(port)
         return EtcdControlStore(host, port, prefix, timeout_s=timeout_s)
     import torch.distributed as dist
 
     host, port = parse_host_port(address)
+    not_a_group_peer(port)
     client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
     return dist.PrefixStore(prefix, client)
 
