@@ -141,32 +141,43 @@ def test_once_a_death_is_noticed_no_module_runs_forward_or_backward(monkeypatch:
         watch.stop()
 
 
-def test_a_death_noticed_ends_the_generations_collectives_unless_the_node_announced_its_departure(
+def test_a_death_noticed_ends_the_generations_collectives_unless_a_node_that_announced_its_departure_exited(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A frozen or vanished peer closes no socket: a collective waiting on it would wait for its timeout. So a death
     noticed shuts down the groups' connections of that generation (:mod:`lightning_emig.collective_sockets`, tested
-    there with real processes) — but not for a preempted node, whose process exits on purpose after its handoff."""
+    there with real processes) — but not for a preempted node's exit (its process leaves on purpose after its
+    handoff), whose notice must not hide another node's death after it; a preempted node gone silent does count."""
     from lightning_emig.launcher.generation import leaving_key
+    from lightning_emig.membership.exit_watch import endpoint_key, exited_key
 
     interrupted: list[int] = []
     monkeypatch.setattr(death_watch, "interrupt_group_sockets", lambda generation: interrupted.append(generation) or 3)
     store = dist.HashStore()
-    first = _publish(store, {"a": 0, "b": 1})
+    first = _publish(store, {"a": 0, "b": 1, "c": 2})
     watch = DeathWatch(lambda: first, node_id="a", client=store, poll_s=3600.0)
     try:
         store.set(leaving_key("b"), json.dumps({"deadline": time.time() + 30}))
         _mark_dead(store, "b")
         watch.look()
-        with pytest.raises(PeerDeathNoticed):
+        with pytest.raises(PeerDeathNoticed, match="node b of generation"):
             watch.raise_if_noticed()
         assert interrupted == []
-        second = _publish(store, {"a": 0, "c": 1})
-        other = DeathWatch(lambda: second, node_id="a", client=store, poll_s=3600.0)
-        try:
-            _mark_dead(store, "c")
-            other.look()
-            assert interrupted == [second]
-        finally:
-            other.stop()
+        _mark_dead(store, "c")
+        watch.look()
+        assert interrupted == [first]
+        watch.look()
+        assert interrupted == [first]  # once
     finally:
         watch.stop()
+    second = _publish(store, {"a": 0, "d": 1})
+    store.set(leaving_key("d"), json.dumps({"deadline": time.time() + 30}))
+    store.set(endpoint_key("d", 0), "127.0.0.1 5 100")
+    store.set(exited_key("d", 0), json.dumps({"endpoint": "127.0.0.1 5 100", "time": time.time(), "by": "a",
+                                              "generation": second, "how": "its host stopped answering"}))
+    store.set(LAST_DEATH_KEY, json.dumps({"node_id": "d", "time": time.time(), "exited": True}))
+    other = DeathWatch(lambda: second, node_id="a", client=store, poll_s=3600.0)
+    try:
+        other.look()
+        assert interrupted == [first, second]
+    finally:
+        other.stop()

@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -32,7 +33,13 @@ from lightning_emig.launcher.generation import (
     publish_generation,
 )
 from lightning_emig.membership.death_watch import DeathWatch, PeerDeathNoticed
-from lightning_emig.membership.exit_watch import ExitWatch, endpoint_key, exited_key, member_exited
+from lightning_emig.membership.exit_watch import (
+    ExitWatch,
+    endpoint_key,
+    entered_key,
+    exited_key,
+    member_exited,
+)
 from lightning_emig.membership.failure import _decide_survivors, report_key
 from lightning_emig.membership.settings import FailureSettings
 from lightning_emig.testing.netns import can_make_network_namespaces, host_behind_a_link
@@ -201,6 +208,46 @@ def test_a_frozen_peer_is_marked_once_its_heartbeat_stops(store: dist.TCPStore) 
         b.stop_all()
 
 
+@contextlib.contextmanager
+def _beating(store: dist.TCPStore, node_id: str) -> Iterator[None]:
+    """Beat for ``node_id``'s worker 0 every 0.1 s, as its heartbeat thread would (through a client of its own)."""
+    client = dist.TCPStore(HOST, store.port, is_master=False)
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(0.1):
+            client.set(heartbeat_key(node_id, 0), str(time.time()))
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_a_heartbeat_that_cannot_speak_for_the_member_is_not_judged(store: dist.TCPStore) -> None:
+    """The key of a fresh process that has not entered the generation yet may still hold an earlier process's beats,
+    long stopped; and a watcher that could not read for a while (a stalled store, a starved thread) has not seen the
+    heartbeat stop. Neither marks anyone; the member is marked once it entered and its heartbeat stopped in view."""
+    members = _members("a", "g")
+    g = _Peer(store, "g", entered=None)
+    try:
+        store.set(heartbeat_key("g", 0), "1.0")  # an earlier process's last beat
+        watch = ExitWatch(store, "a", 0, heartbeat_timeout_s=0.6)
+        assert _polls(watch, members, 1.5) == []
+        store.set(entered_key("g", 0), "0")  # as the fresh process's death watch says once it is in generation 0
+        store.set(heartbeat_key("g", 0), str(time.time()))
+        assert _polls(watch, members, 0.3) == []
+        time.sleep(2.5)  # no read for longer than HEARTBEAT_GAP_S: the timer starts again
+        assert _polls(watch, members, 0.4) == []
+        assert "its heartbeat stopped for 0.6s" in _poll_until_noticed(watch, members)
+        watch.close()
+    finally:
+        g.stop_all()
+
+
 @pytest.mark.skipif(not can_make_network_namespaces(), reason="needs root and network namespaces (ip netns)")
 def test_a_peer_whose_host_vanished_is_marked_once_its_host_stops_answering(store: dist.TCPStore) -> None:
     """The peer runs behind a virtual link, which is cut: its process lives on, nothing is closed, no packet comes
@@ -210,8 +257,14 @@ def test_a_peer_whose_host_vanished_is_marked_once_its_host_stops_answering(stor
     with host_behind_a_link() as host:
         f = _Peer(store, "f", address=host.there, prefix=host.prefix, store_host=host.here)
         try:
-            watch = ExitWatch(store, "a", 0, heartbeat_timeout_s=3600.0, unreachable_timeout_s=1.0)
+            watch = ExitWatch(store, "a", 0, heartbeat_interval_s=0.2, heartbeat_timeout_s=3600.0,
+                              unreachable_timeout_s=1.0)
             assert _polls(watch, members, 0.5) == []  # connected, alive
+            with _beating(store, "f"):  # the link cut, but its heartbeat still changes: a blip on this path
+                host.cut()
+                assert _polls(watch, members, 3.0) == []
+                host.mend()
+                assert _polls(watch, members, 1.5) == []
             host.cut()
             noticed = _poll_until_noticed(watch, members)
             assert "node f's worker 0 is gone (its host stopped answering, seen from node a)" in noticed, noticed

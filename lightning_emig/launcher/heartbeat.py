@@ -174,13 +174,17 @@ class HeartbeatWatch:
 
     def stale_key(self, key: str) -> bool:
         """Whether the heartbeat under ``key`` (a worker's or an agent's) has stopped."""
+        return self.unchanged_s(key) > self.timeout_s
+
+    def unchanged_s(self, key: str) -> float:
+        """How long the value under ``key`` has been the one read now, on this watch's clock (0 at its first read)."""
         value = self.client.get(key) if self.client.check([key]) else None  # type: ignore[attr-defined]
         now = self.clock()
         last = self._last.get(key)
         if last is None or last[0] != value:
             self._last[key] = (value, now)
-            return False
-        return now - last[1] > self.timeout_s
+            return 0.0
+        return now - last[1]
 
 
 class HoldersMonitor:

@@ -41,6 +41,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -97,10 +98,13 @@ class DeathWatch:
             self._listener = ExitListener(self._client, self._node_id, local_rank, node_host(self._node_id))
             settings = settings or FailureSettings()
             self._exits = ExitWatch(self._client, self._node_id, local_rank,
+                                    heartbeat_interval_s=settings.heartbeat_interval_s,
                                     heartbeat_timeout_s=settings.heartbeat_timeout_s,
                                     unreachable_timeout_s=settings.unreachable_timeout_s)
         self._noticed: dict[int, str] = {}
         """Generation -> what was noticed (written by the thread, read by the training thread: one dict store)."""
+        self._interrupted: set[int] = set()
+        """Generations whose collectives were ended (nothing more to look for in them)."""
         self._others: dict[int, list[tuple[str, int]]] = {}
         self._looked_at: tuple[bytes | None, int] | None = None
         self._stopped = threading.Event()
@@ -125,11 +129,11 @@ class DeathWatch:
 
     def _run(self) -> None:
         while not self._stopped.wait(self._poll_s):
-            try:
-                self.watch_exits()
-                self.look()
-            except Exception:  # noqa: BLE001 - the store may be gone at the very end of the job
-                log.debug("death watch: reading the control store failed", exc_info=True)
+            for poll in (self.watch_exits, self.look):  # one failing leaves the other's poll alone
+                try:
+                    poll()
+                except Exception:  # noqa: BLE001 - the store may be gone at the very end of the job
+                    log.debug("death watch: reading the control store failed", exc_info=True)
 
     def watch_exits(self) -> None:
         """One poll of the exit watch (the thread's; public for tests); nothing when it is off."""
@@ -145,29 +149,32 @@ class DeathWatch:
     def look(self) -> None:
         """One poll (the thread's; public for tests)."""
         generation = self._generation()
-        if generation < 0 or generation in self._noticed:
+        if generation < 0 or generation in self._interrupted:
             return
         client = self._client
         last = client.get(LAST_DEATH_KEY) if client.check([LAST_DEATH_KEY]) else None
         if last is None or (last, generation) == self._looked_at:
             return
         for node_id, local_ranks in self._other_nodes(generation):
-            noticed = _death_of(client, node_id, local_ranks, generation)
-            if noticed is not None:
-                self._noticed[generation] = (f"node {node_id} of generation {generation} {noticed} (before any "
+            death = _death_of(client, node_id, local_ranks, generation)
+            if death is None:
+                continue
+            if generation not in self._noticed:
+                self._noticed[generation] = (f"node {node_id} of generation {generation} {death.how} (before any "
                                              "collective failed here)")
                 log.error("death watch: %s", self._noticed[generation])
+            # A preempted node's process exits once its state was handed over, and the survivors may still use the old
+            # groups (a checkpoint being written): its exit ends nothing. Its silence (frozen, its host gone) does.
+            if death.silent or not client.check([leaving_key(node_id)]):
                 self._interrupt(generation, node_id)
                 return
         self._looked_at = (last, generation)  # only once looked at: a poll that failed halfway is made again
 
     def _interrupt(self, generation: int, node_id: str) -> None:
-        """End every collective of ``generation`` (one may wait on the dead node: a frozen process, a host gone, never
-        closes its sockets), unless the node announced its departure: a preempted node's process exits once its state
-        was handed over, and the survivors may still use the old groups (a checkpoint being written)."""
-        if self._client.check([leaving_key(node_id)]):
-            return
+        """End every collective of ``generation``: one may wait on the dead node, and a frozen process or a host gone
+        never closes its sockets."""
         shut = interrupt_group_sockets(generation)
+        self._interrupted.add(generation)
         if shut:
             log.error("death watch: shut down %d connection(s) of generation %d's process groups: a collective "
                       "waiting on node %s ends now", shut, generation, node_id)
@@ -181,18 +188,28 @@ class DeathWatch:
         return self._others[generation]
 
 
-def _death_of(client: Any, node_id: str, local_ranks: int, generation: int) -> str | None:
-    """How a node is known dead — its agent's mark, or a worker's process seen exiting — or None."""
+@dataclass(frozen=True)
+class _Death:
+    how: str
+    """For the log: how the node is known dead."""
+    silent: bool
+    """Its process was found gone without closing anything (frozen, its host gone), not seen to exit."""
+
+
+def _death_of(client: Any, node_id: str, local_ranks: int, generation: int) -> _Death | None:
+    """How a node is known dead — its agent's mark, or a worker's process seen gone — or None."""
     mark = read_dead_mark(client, node_id)
     if mark is not None:
         marked = mark.get("time")
         after = "" if marked is None else f", noticed {max(0.0, time.time() - float(marked)):.2f}s after its mark"
-        return f"was marked dead by its agent (a worker of it died{after})"
+        return _Death(f"was marked dead by its agent (a worker of it died{after})", silent=False)
     for local_rank in range(local_ranks):
         exited = member_exited(client, node_id, local_rank, generation)
         if exited is not None:
             after = f", noticed {max(0.0, time.time() - float(exited['time'])):.2f}s after"
-            return f"lost worker {local_rank}: its process {gone_how(exited)} (seen by node {exited['by']}{after})"
+            how = gone_how(exited)
+            return _Death(f"lost worker {local_rank}: its process {how} (seen by node {exited['by']}{after})",
+                          silent=how != "exited")
     return None
 
 

@@ -27,10 +27,15 @@ still a member of is trained in by then.
 
 A host that vanished (power, kernel, network) closes nothing, and a frozen process keeps its sockets. So the
 connection is probed (TCP keepalive every second, ended when nothing was acknowledged for
-``elastic.unreachable_timeout_s``: a host gone silent), and the watched member's heartbeat is read every
-:data:`HEARTBEAT_READ_S` (unchanged for ``elastic.heartbeat_timeout_s`` on the watcher's clock: a frozen process,
-whose kernel still answers the probes); either writes the same mark, saying how (``how``), and when the member was
-last known alive (``alive_at``: its last beat). A listening socket is reachable wherever the
+``elastic.unreachable_timeout_s``; a connection not answered for as long counts alike), and the watched member's
+heartbeat is read every :data:`HEARTBEAT_READ_S`. A host that stopped answering is gone once the heartbeat has missed
+:data:`SILENT_BEATS` beats too (one that still beats was a blip on that path: the watcher connects again); a
+heartbeat unchanged for ``elastic.heartbeat_timeout_s`` on the watcher's clock is a frozen process (its kernel still
+answers the probes). Either writes the same mark, saying how (``how``), and when the member was last known alive
+(``alive_at``: its last beat, on its host's clock; where it never beat, the watcher's estimate). A heartbeat is judged
+only for the process that said it entered the generation watched (the key may still hold an earlier process's beats at
+that node and local rank), and reads further apart than :data:`HEARTBEAT_GAP_S` (a stalled store, a starved thread)
+start its timer again. A listening socket is reachable wherever the
 process group's own sockets are (gloo and NCCL listen on ephemeral ports of the same address), so a refusal means no
 listener, not a firewall. ``elastic.watch_exits: false`` turns it off; so does torchrun's restart path
 (``LIGHTNING_EMIG_LIVE_MEMBERSHIP=0``), where no agent marks a death either.
@@ -61,6 +66,14 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_READ_S = 0.5
 """How often a watcher reads the watched member's heartbeat (a frozen process is found this much after its timeout)."""
+
+HEARTBEAT_GAP_S = 4 * HEARTBEAT_READ_S
+"""Reads further apart than this (they failed: a store that stalled; or this thread was starved) start the heartbeat's
+timer again: a stall is never taken for a heartbeat that stopped."""
+
+SILENT_BEATS = 2
+"""A host that stopped answering is gone once its worker's heartbeat has also missed this many beats; a heartbeat
+that still changes meanwhile was a blip on the path between the two (the watcher connects again)."""
 
 RETRY_S = 1.0
 """How long a watcher waits before it tries again to reach a member whose endpoint is not published yet or whose
@@ -187,10 +200,8 @@ def _ended(conn: socket.socket) -> str | None:
         return CLOSED if conn.recv(1) == b"" else None
     except (BlockingIOError, InterruptedError):
         return None
-    except TimeoutError:  # the keepalive's probes went unanswered (see _keep_alive)
-        return UNREACHABLE
-    except OSError:
-        return CLOSED
+    except OSError as exc:  # timed out: the keepalive's probes went unanswered (see _keep_alive)
+        return UNREACHABLE if exc.errno in (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH) else CLOSED
 
 
 def _keep_alive(sock: socket.socket, timeout_s: float) -> None:
@@ -210,13 +221,20 @@ class ExitWatch:
     made without waiting and looked at again on the next poll; the store is read only when the member watched
     changes (another generation, an exit seen)."""
 
-    def __init__(self, client: Any, node_id: str, local_rank: int, *, heartbeat_timeout_s: float = 10.0,
-                 unreachable_timeout_s: float = 2.0) -> None:
+    def __init__(self, client: Any, node_id: str, local_rank: int, *, heartbeat_interval_s: float = 1.0,
+                 heartbeat_timeout_s: float = 10.0, unreachable_timeout_s: float = 2.0) -> None:
         self._client = client
-        self._heartbeat_timeout_s, self._unreachable_timeout_s = heartbeat_timeout_s, unreachable_timeout_s
+        self._heartbeat_interval_s, self._heartbeat_timeout_s = heartbeat_interval_s, heartbeat_timeout_s
+        self._unreachable_timeout_s = unreachable_timeout_s
         self._beats: HeartbeatWatch | None = None
-        """The watched member's heartbeat, judged on this process's clock (one watch per member watched)."""
-        self._beats_read_at = 0.0
+        """The watched process's heartbeat, judged on this process's clock."""
+        self._beats_of: str | None = None
+        """The endpoint whose heartbeat :attr:`_beats` follows."""
+        self._beats_read_at = -math.inf
+        self._unchanged: float | None = None
+        """How long the watched heartbeat had not changed at the last read (None: not judged)."""
+        self._silent = False
+        """The connection ended unanswered: the host is gone once the heartbeat agrees (see :data:`SILENT_BEATS`)."""
         self._me = (node_id, local_rank)
         self._generation = -1
         self._ring: list[tuple[str, int]] = []
@@ -229,6 +247,7 @@ class ExitWatch:
         """The last generation the watched endpoint's process said it entered (when the connection was made)."""
         self._sock: socket.socket | None = None
         self._connected = False
+        self._connect_started = 0.0
         self._retry_at = 0.0
 
     def poll(self, generation: int, members: Callable[[], GenerationInfo]) -> str | None:
@@ -239,40 +258,71 @@ class ExitWatch:
             self._generation, self._target = generation, None
             self._ring = list(members().members) if generation >= 0 else []
         if self._target is None:
-            self._target, self._beats = self._successor(), None
+            self._target = self._successor()
             if self._target is None:
                 return None
-        last_beat = self._heartbeat_stopped()
-        if last_beat is not None:
-            return self._exited(f"its heartbeat stopped for {self._heartbeat_timeout_s:g}s", alive_at=last_beat)
+        unchanged = self._heartbeat_unchanged()
+        if unchanged is not None and unchanged > self._heartbeat_timeout_s:
+            return self._exited(f"its heartbeat stopped for {self._heartbeat_timeout_s:g}s", alive_at=self._last_beat())
         if self._sock is None:
             return self._connect() if time.monotonic() >= self._retry_at else None
         if not self._connected:
             return self._finish_connect()
-        ended = _ended(self._sock)
-        if ended is None:
-            return None
-        # A silent host was last heard from a keepalive timeout ago (the connection ends that long after its last ack).
-        return self._exited(ended, alive_at=time.time() - self._unreachable_timeout_s if ended == UNREACHABLE else None)
+        if not self._silent:
+            ended = _ended(self._sock)
+            if ended != UNREACHABLE:
+                return self._exited(ended) if ended is not None else None
+            self._silent = True
+        return self._judge_silence()
 
     def close(self) -> None:
         self._drop()
 
-    def _heartbeat_stopped(self) -> float | None:
-        """The last beat (its writer's ``time.time()``) of the watched member, whose endpoint is known, when its
-        heartbeat has stopped; else None. Read every :data:`HEARTBEAT_READ_S`; a member that never beat — not started,
-        or not under the launcher — is not judged."""
+    def _judge_silence(self, *, connecting: bool = False) -> str | None:
+        """The host stopped answering on the connection (``connecting``: answers no connection): gone once the
+        heartbeat missed :data:`SILENT_BEATS` beats too (or, on a connection that was made, cannot be judged); a
+        heartbeat that changes meanwhile means a blip on this path: connect again."""
+        before = self._unchanged
+        unchanged = self._heartbeat_unchanged(fresh=True)
+        if unchanged is None and connecting:
+            return self._failed_connect(errno.ETIMEDOUT)
+        if unchanged is None or unchanged >= SILENT_BEATS * self._heartbeat_interval_s:
+            last = self._last_beat() if unchanged is not None else None
+            return self._exited(UNREACHABLE, alive_at=last if last is not None else
+                                time.time() - self._unreachable_timeout_s)  # the connection ends that long after
+        if connecting or (before is not None and unchanged < before):
+            log.warning("exit watch: %s stopped answering on its connection but still beats; connecting again",
+                        self._endpoint)
+            self._drop()
+            self._retry_at = time.monotonic() + RETRY_S
+        return None
+
+    def _heartbeat_unchanged(self, *, fresh: bool = False) -> float | None:
+        """How long the watched process's heartbeat has not changed, on this process's clock; read every
+        :data:`HEARTBEAT_READ_S` (``fresh``: now). None where it is not judged: no endpoint known yet; its process has
+        not said it entered the generation watched (the key may still be an earlier process's at that node and local
+        rank); it never beat (not started, or not under the launcher)."""
         now = time.monotonic()
-        if self._endpoint is None or now - self._beats_read_at < HEARTBEAT_READ_S:
+        if self._endpoint is None or self._target is None:
             return None
-        self._beats_read_at = now
+        if not fresh and now - self._beats_read_at < HEARTBEAT_READ_S:
+            return self._unchanged
+        if self._entered < self._generation:
+            self._entered = _read_int(self._client, entered_key(*self._target))
+        key = heartbeat_key(*self._target)
+        if self._entered < self._generation or not self._client.check([key]):
+            self._unchanged, self._beats_read_at = None, now
+            return None
+        if self._beats is None or self._beats_of != self._endpoint or now - self._beats_read_at > HEARTBEAT_GAP_S:
+            self._beats, self._beats_of = HeartbeatWatch(self._client, self._heartbeat_timeout_s), self._endpoint
+        self._unchanged, self._beats_read_at = self._beats.unchanged_s(key), now
+        return self._unchanged
+
+    def _last_beat(self) -> float | None:
+        """The watched process's last beat (its writer's ``time.time()``)."""
         assert self._target is not None
         key = heartbeat_key(*self._target)
-        if not self._client.check([key]):
-            return None
-        if self._beats is None:
-            self._beats = HeartbeatWatch(self._client, self._heartbeat_timeout_s)
-        return float(self._client.get(key)) if self._beats.stale_key(key) else None
+        return float(self._client.get(key)) if self._client.check([key]) else None
 
     def _successor(self) -> tuple[str, int] | None:
         if self._me not in self._ring:
@@ -304,7 +354,7 @@ class ExitWatch:
         sock = _track(socket.socket(family, kind, proto))
         sock.setblocking(False)
         _keep_alive(sock, self._unreachable_timeout_s)
-        self._sock, self._connected = sock, False
+        self._sock, self._connected, self._connect_started = sock, False, time.monotonic()
         code = sock.connect_ex(address)
         if code in (0, errno.EINPROGRESS, errno.EAGAIN, errno.EWOULDBLOCK):
             return self._finish_connect()
@@ -313,8 +363,9 @@ class ExitWatch:
     def _finish_connect(self) -> str | None:
         assert self._sock is not None
         _, writable, _ = select.select([], [self._sock], [], 0)
-        if not writable:
-            return None  # still connecting
+        if not writable:  # still connecting; for too long, the host is silent (or was: the SYN backs off)
+            return self._judge_silence(connecting=True) if (
+                time.monotonic() - self._connect_started > self._unreachable_timeout_s) else None
         code = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
         if code == 0:
             self._connected = True
@@ -349,4 +400,4 @@ class ExitWatch:
     def _drop(self) -> None:
         if self._sock is not None:
             _close(self._sock)
-        self._sock, self._connected, self._endpoint = None, False, None
+        self._sock, self._connected, self._endpoint, self._silent = None, False, None, False

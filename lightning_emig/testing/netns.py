@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 
+@functools.cache
 def can_make_network_namespaces() -> bool:
     if os.geteuid() != 0 or shutil.which("ip") is None:
         return False
@@ -43,11 +44,16 @@ class HostBehindALink:
     def cut(self) -> None:
         subprocess.run([*self.prefix, "ip", "link", "set", self.there_device, "down"], check=True, capture_output=True)
 
+    def mend(self) -> None:
+        """The link back up (a blip, not a host gone)."""
+        subprocess.run([*self.prefix, "ip", "link", "set", self.there_device, "up"], check=True, capture_output=True)
+
 
 @contextlib.contextmanager
-def host_behind_a_link(subnet: int = 7) -> Iterator[HostBehindALink]:
-    """The namespace and its link (``10.231.<subnet>.1`` here, ``.2`` there), removed on exit; processes still in it
-    must have been stopped by then."""
+def host_behind_a_link() -> Iterator[HostBehindALink]:
+    """The namespace and its link (``10.231.<n>.1`` here, ``.2`` there, ``n`` from this process's id: two runs on one
+    machine do not collide), removed on exit; processes still in it must have been stopped by then."""
+    subnet = 1 + os.getpid() % 250
     name, link = f"emig-{os.getpid()}-{subnet}", f"emig{os.getpid() % 10000}x{subnet}"
     run = functools.partial(subprocess.run, check=True, capture_output=True)
     prefix = ("ip", "netns", "exec", name)
