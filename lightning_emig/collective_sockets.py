@@ -94,9 +94,9 @@ def interrupt_group_sockets(generation: int) -> int:
         if generation != _recorded_generation:
             return 0
         for fd, inode in _socket_inodes().items():
-            if inode in _recorded and inode not in _foreign:
+            if inode in _recorded and inode not in _foreign:  # declared since it was recorded: the exit watch's race
                 with _duplicate(fd, inode) as sock:
-                    if sock is not None and not _listening(sock) and _peer_port(sock) not in _foreign_peers:
+                    if sock is not None:
                         with contextlib.suppress(OSError):  # already shut, or the peer reset it
                             sock.shutdown(socket.SHUT_RDWR)
                             shut += 1

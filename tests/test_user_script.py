@@ -107,10 +107,10 @@ def _start(tmp_path: Path, name: str, addr: str, port: int, *, layout: list[str]
            **(test_env or {})}
     backend: dict[str, Any] = {"rdzv_backend": "etcd-v2", "rdzv_endpoint": etcd} if etcd else {
         "rdzv_conf": f"is_host={str(hosts_store).lower()}"}
-    if link is not None:  # gloo binds where this host's name resolves unless told the link's device
+    if link is not None:
         host, far = link
-        addr = host.there if far else host.here
-        env["GLOO_SOCKET_IFNAME"] = host.there_device if far else host.here_device
+        addr = host.address(far=far)
+        env.update(host.gloo_env(far=far))
         backend.update(rdzv_endpoint=f"{host.here}:{port}", prefix=host.prefix if far else ())
     return start_node(tmp_path, name, local_addr=addr, port=port, run_dir=tmp_path / "run", rdzv_id="user-script",
                       train_args=[*ARGS, "--ledger", *layout], nnodes="1:2", env=env, max_restarts=max_restarts,

@@ -98,6 +98,12 @@ def start_heartbeat(interval_s: float, timeout_s: float) -> Heartbeat:
     return _beating
 
 
+def last_beat(client: Any, node_id: str, local_rank: int) -> float | None:
+    """A worker's last heartbeat (its writer's ``time.time()``), or None when it never beat."""
+    key = heartbeat_key(node_id, local_rank)
+    return float(client.get(key)) if client.check([key]) else None
+
+
 def heartbeat_timeout(client: Any, default_s: float = 10.0) -> float:
     """The heartbeat timeout the job's workers were configured with (``elastic.heartbeat_timeout_s``)."""
     return float(client.get(HEARTBEAT_TIMEOUT_KEY)) if client.check([HEARTBEAT_TIMEOUT_KEY]) else default_s

@@ -28,8 +28,9 @@ that connection and a process whose heartbeat stops (a frozen one).
 
 A survivor already blocked inside a collective runs no hook. On gloo, a death noticed also ends every collective of
 the generation (:func:`~lightning_emig.collective_sockets.interrupt_group_sockets`): a frozen or vanished peer closes
-no socket, and the collective waiting on it would otherwise end only at its timeout. Not for a node that announced its
-departure (a preempted node's process exits once its state was handed over).
+no socket, and the collective waiting on it would otherwise end only at its timeout. Not for the exit of a node that
+announced its departure (a preempted node's process exits once its state was handed over, and the survivors may still
+use the old groups); its silence does end them.
 Outside ``lightning-emig-run``, and on torchrun's restart path (its agents mark nothing), the thread sees no mark.
 """
 
@@ -59,7 +60,13 @@ from lightning_emig.launcher.generation import (
     read_dead_mark,
     read_generation,
 )
-from lightning_emig.membership.exit_watch import ExitListener, ExitWatch, gone_how, member_exited
+from lightning_emig.membership.exit_watch import (
+    ExitListener,
+    ExitWatch,
+    gone_how,
+    member_exited,
+    seen_exiting,
+)
 from lightning_emig.membership.settings import FailureSettings
 
 if TYPE_CHECKING:
@@ -207,9 +214,9 @@ def _death_of(client: Any, node_id: str, local_ranks: int, generation: int) -> _
         exited = member_exited(client, node_id, local_rank, generation)
         if exited is not None:
             after = f", noticed {max(0.0, time.time() - float(exited['time'])):.2f}s after"
-            how = gone_how(exited)
-            return _Death(f"lost worker {local_rank}: its process {how} (seen by node {exited['by']}{after})",
-                          silent=how != "exited")
+            seen = f"seen by node {exited['by']}{after}"
+            return _Death(f"lost worker {local_rank}: its process {gone_how(exited)} ({seen})",
+                          silent=not seen_exiting(exited))
     return None
 
 

@@ -60,7 +60,7 @@ from typing import Any
 
 from lightning_emig.collective_sockets import not_a_group_socket
 from lightning_emig.launcher.generation import LAST_DEATH_KEY, GenerationInfo, heartbeat_key
-from lightning_emig.launcher.heartbeat import HeartbeatWatch
+from lightning_emig.launcher.heartbeat import HeartbeatWatch, last_beat
 
 log = logging.getLogger(__name__)
 
@@ -134,11 +134,15 @@ CLOSED, REFUSED, UNREACHABLE = "its connection closed", "its endpoint refused a 
 """How a watcher saw a process go (a mark's ``how``); a heartbeat that stopped says for how long."""
 
 
+def seen_exiting(mark: dict[str, Any]) -> bool:
+    """Whether the process a mark names was seen to exit (its host's kernel closed or refused its connection), rather
+    than found silent (its host stopped answering, its heartbeat stopped: nothing of it was closed)."""
+    return mark.get("how", CLOSED) in (CLOSED, REFUSED)
+
+
 def gone_how(mark: dict[str, Any]) -> str:
-    """How the process a mark names went, for the logs: ``exited`` (its host's kernel said so), or ``is gone: ...``
-    (its host stopped answering, or its heartbeat stopped: a frozen process, or a host that vanished)."""
-    how = mark.get("how", CLOSED)
-    return "exited" if how in (CLOSED, REFUSED) else f"is gone: {how}"
+    """How the process a mark names went, for the logs: ``exited``, or ``is gone: ...`` (see :func:`seen_exiting`)."""
+    return "exited" if seen_exiting(mark) else f"is gone: {mark['how']}"
 
 
 def _read_int(client: Any, key: str) -> int:
@@ -263,7 +267,8 @@ class ExitWatch:
                 return None
         unchanged = self._heartbeat_unchanged()
         if unchanged is not None and unchanged > self._heartbeat_timeout_s:
-            return self._exited(f"its heartbeat stopped for {self._heartbeat_timeout_s:g}s", alive_at=self._last_beat())
+            return self._exited(f"its heartbeat stopped for {self._heartbeat_timeout_s:g}s",
+                                alive_at=last_beat(self._client, *self._target))
         if self._sock is None:
             return self._connect() if time.monotonic() >= self._retry_at else None
         if not self._connected:
@@ -287,7 +292,7 @@ class ExitWatch:
         if unchanged is None and connecting:
             return self._failed_connect(errno.ETIMEDOUT)
         if unchanged is None or unchanged >= SILENT_BEATS * self._heartbeat_interval_s:
-            last = self._last_beat() if unchanged is not None else None
+            last = last_beat(self._client, *self._target) if unchanged is not None else None
             return self._exited(UNREACHABLE, alive_at=last if last is not None else
                                 time.time() - self._unreachable_timeout_s)  # the connection ends that long after
         if connecting or (before is not None and unchanged < before):
@@ -317,12 +322,6 @@ class ExitWatch:
             self._beats, self._beats_of = HeartbeatWatch(self._client, self._heartbeat_timeout_s), self._endpoint
         self._unchanged, self._beats_read_at = self._beats.unchanged_s(key), now
         return self._unchanged
-
-    def _last_beat(self) -> float | None:
-        """The watched process's last beat (its writer's ``time.time()``)."""
-        assert self._target is not None
-        key = heartbeat_key(*self._target)
-        return float(self._client.get(key)) if self._client.check([key]) else None
 
     def _successor(self) -> tuple[str, int] | None:
         if self._me not in self._ring:
@@ -386,12 +385,12 @@ class ExitWatch:
         assert self._target is not None and self._endpoint is not None
         node_id, local_rank = self._target
         now = time.time()
-        self._client.set(exited_key(node_id, local_rank), json.dumps(
-            {"endpoint": self._endpoint, "time": now, "by": self._me[0], "generation": self._generation, "how": how,
-             "alive_at": now if alive_at is None else alive_at}))
-        self._client.set(LAST_DEATH_KEY, json.dumps({"node_id": node_id, "time": time.time(), "exited": True}))
+        mark = {"endpoint": self._endpoint, "time": now, "by": self._me[0], "generation": self._generation, "how": how,
+                "alive_at": now if alive_at is None else alive_at}
+        self._client.set(exited_key(node_id, local_rank), json.dumps(mark))
+        self._client.set(LAST_DEATH_KEY, json.dumps({"node_id": node_id, "time": now, "exited": True}))
         self._gone.add(self._endpoint)
-        verb = "exited" if how in (CLOSED, REFUSED) else "is gone"
+        verb = "exited" if seen_exiting(mark) else "is gone"
         message = f"the process of node {node_id}'s worker {local_rank} {verb} ({how}, seen from node {self._me[0]})"
         self._drop()
         self._target = None  # the next poll moves on to the member after it

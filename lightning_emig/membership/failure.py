@@ -55,12 +55,11 @@ from lightning_emig.launcher.generation import (
     NodeEntry,
     control_client_from_env,
     dead_key,
-    heartbeat_key,
     node_host,
     read_dead_mark,
     read_generation,
 )
-from lightning_emig.launcher.heartbeat import HeartbeatWatch
+from lightning_emig.launcher.heartbeat import HeartbeatWatch, last_beat
 from lightning_emig.membership.exit_watch import gone_how, member_exited
 from lightning_emig.membership.group import enter_generation
 from lightning_emig.membership.handoff import LiveHandoff
@@ -392,8 +391,7 @@ def _last_seen_alive(client: Any, node_id: str, local_rank: int, generation: int
     marked = read_dead_mark(client, node_id) or member_exited(client, node_id, local_rank, generation)
     if marked is not None and "time" in marked:
         return float(marked.get("alive_at", marked["time"]))
-    beat = heartbeat_key(node_id, local_rank)
-    return float(client.get(beat)) if client.check([beat]) else None
+    return last_beat(client, node_id, local_rank)
 
 
 def _detection_phases(started_wall: float, decision: dict[str, Any], last_step_wall: float | None

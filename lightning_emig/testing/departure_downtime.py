@@ -101,15 +101,16 @@ def _leave(run_dir: Path, train_args: Sequence[str], path: str, *, how: How, aft
     # torchrun's restart path restarts every worker (a restart each); live, B's node stays out after its worker died,
     # so that A's steady steps alone follow the failure (B coming back would be a join, another event).
     b_stays_out = (how, path) == ("worker_failure", "live")
-    addresses = {"a": "127.0.0.2", "b": "127.0.0.3"} if host is None else {"a": host.here, "b": host.there}
-    for name in ("a", "b"):
+    for name, address in (("a", "127.0.0.2"), ("b", "127.0.0.3")):
+        far = name == "b"
         agents[name] = start_node(
-            run_dir.parent, f"{run_dir.name}-{name}", local_addr=addresses[name], port=port, run_dir=run_dir,
-            train_args=[*train_args, *LAYOUT[how]], nnodes="1:2", rdzv_id=run_dir.name,
-            rdzv_conf=f"is_host={str(name == 'a').lower()}", env={**PATHS[path], **_gloo_device(host, name)},
+            run_dir.parent, f"{run_dir.name}-{name}", local_addr=address if host is None else host.address(far=far),
+            port=port, run_dir=run_dir, train_args=[*train_args, *LAYOUT[how]], nnodes="1:2", rdzv_id=run_dir.name,
+            rdzv_conf=f"is_host={str(name == 'a').lower()}",
+            env={**PATHS[path], **({} if host is None else host.gloo_env(far=far))},
             max_restarts=0 if name == "b" and b_stays_out else 1,
             rdzv_endpoint=None if host is None else f"{host.here}:{port}",
-            prefix=host.prefix if host is not None and name == "b" else (),
+            prefix=host.prefix if host is not None and far else (),
         )
     kind = EVENT[how, path]
 
@@ -148,9 +149,3 @@ def _leave(run_dir: Path, train_args: Sequence[str], path: str, *, how: How, aft
             kill_tree(proc.pid)
             proc.wait(timeout=30)
 
-
-def _gloo_device(host: HostBehindALink | None, name: str) -> dict[str, str]:
-    """Where gloo binds: by default the address this host's name resolves to, which the namespace cannot reach."""
-    if host is None:
-        return {}
-    return {"GLOO_SOCKET_IFNAME": host.here_device if name == "a" else host.there_device}

@@ -41,6 +41,15 @@ class HostBehindALink:
     there_device: str
     """The namespace's."""
 
+    def address(self, *, far: bool) -> str:
+        """The address of a node on the namespace's side (``far``) or on this one."""
+        return self.there if far else self.here
+
+    def gloo_env(self, *, far: bool) -> dict[str, str]:
+        """Where gloo must bind on that side: by default it binds where the host's name resolves, which the namespace
+        cannot reach."""
+        return {"GLOO_SOCKET_IFNAME": self.there_device if far else self.here_device}
+
     def cut(self) -> None:
         subprocess.run([*self.prefix, "ip", "link", "set", self.there_device, "down"], check=True, capture_output=True)
 
