@@ -4,8 +4,8 @@
 Three real processes on gloo; rank 2 is "frozen": alive, its sockets open, it never enters the collective. Ranks 0
 and 1 each shut down their own group's connections a moment after entering it, as their death watches do once the
 peer is known gone: the collective raises gloo's "connection closed" error (a peer's death), not its timeout, and the
-sockets recorded outside the group's creation — a store client, a socket declared the package's own, a listener —
-still work. End to end (a frozen node under the launcher): ``tests/test_user_script.py::test_the_script_survives_a_killed_peer``
+sockets that are not the groups' — a store client opened before, one opened to a store declared not a group's peer
+while the groups formed, a socket declared the package's own, a listener — still work. End to end (a frozen node under the launcher): ``tests/test_user_script.py::test_the_script_survives_a_killed_peer``
 (``node_frozen``).
 """
 
@@ -29,14 +29,18 @@ PG_TIMEOUT_S = 60.0
 def _frozen_peer_case(rank: int, world_size: int, store_port: int) -> dict[str, object]:
     from lightning_emig.collective_sockets import (
         interrupt_group_sockets,
+        not_a_group_peer,
         not_a_group_socket,
         recording_group_sockets,
     )
 
     store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=rank == 0, timeout=timedelta(seconds=60))
     listener = socket.create_server(("127.0.0.1", 0))  # a listener older than the groups: its connections are not
+    not_a_group_peer(store_port)  # as the control store's port is: a client of it opened in a window is not a group's
     with recording_group_sockets(generation=7):  # the generation's "default" group: here a group over the real one
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=PG_TIMEOUT_S))
+        late_client = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False, wait_for_workers=False,
+                                    timeout=timedelta(seconds=60))
         ours = socket.create_connection(listener.getsockname())  # made inside the window, declared the package's
         not_a_group_socket(ours)
         accepted, _ = listener.accept()
@@ -64,6 +68,7 @@ def _frozen_peer_case(rank: int, world_size: int, store_port: int) -> dict[str, 
         more_error = str(exc)
     ours.sendall(b"x")
     echoed = accepted.recv(1)
+    late_client.set(f"late/{rank}", "1")  # so does the one opened while the groups formed
     store.set(f"done/{rank}", "1")  # the store client still works
     if rank == 0:  # it hosts the store: it outlives every other rank's last use of it
         store.wait(["done/1", "done/2"], timedelta(seconds=60))
