@@ -153,3 +153,44 @@ def test_the_newest_complete_checkpoint_is_resumed_and_an_interrupted_save_is_sk
     assert resolve_checkpoint(None, tmp_path, restarted) == str(ckpts / "step000010.ckpt")
     assert resolve_checkpoint(None, tmp_path, {}) is None  # a first start ignores old checkpoints
     assert resolve_checkpoint(None, tmp_path / "empty", restarted) is None
+
+
+def test_a_failure_before_a_restarts_fit_began_its_event_begins_it_from_the_run_directory(tmp_path: Path) -> None:
+    """A peer dies while a restart's fit sets up or restores its checkpoint, before the fit began its ``restart``
+    change: the restart happened all the same (its world formed), so the step-times callback begins it from the run
+    directory (the last event's world, the last step's line, the checkpoint being restored: the newest complete one)
+    for the survivors to record before the failure; once, and never after the fit began it itself."""
+    from types import SimpleNamespace
+
+    from lightning_emig.layout import HybridLayout
+    from lightning_emig.strategy.step_times import StepTimeRecorder
+
+    run_dir = tmp_path / "run"
+    _sharded(run_dir / "checkpoints" / "step000025.ckpt", complete=True)
+    one = {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1}
+    (run_dir / "events.jsonl").write_text(json.dumps({"kind": "failure", "step": 25, "old_world": 2, "new_world": 1,
+                                                      "old_layout": one, "new_layout": one}) + "\n")
+    (run_dir / "step_times.jsonl").write_text(json.dumps({"step": 27, "time": 100.0, "world": 1}) + "\n")
+    begun: list[tuple] = []
+    strategy = SimpleNamespace(
+        start_reason="torchrun restart #1", resumed_from=None, world_size=3,
+        layout=HybridLayout(dp_replicate=1, dp_shard=3, tp=1, pp=1),
+        checkpoint_dir=lambda _trainer: run_dir / "checkpoints",
+        begin_restart_event=lambda record, **walls: begun.append((record, walls)))
+    trainer = SimpleNamespace(strategy=strategy, global_rank=0)
+    strategy.lightning_module = SimpleNamespace(trainer=trainer)
+    recorder = StepTimeRecorder(run_dir)
+    recorder.on_exception(trainer, strategy.lightning_module, RuntimeError("Connection closed by peer"))
+    assert len(begun) == 1, begun
+    record, walls = begun[0]
+    assert (record.kind, record.step, record.old_world, record.new_world) == ("restart", 25, 1, 3)
+    assert record.steps_rolled_back == 2 and walls["last_step_wall"] == 100.0
+    assert record.old_layout.as_dict() == one and record.new_layout == strategy.layout
+    recorder.on_exception(trainer, strategy.lightning_module, RuntimeError("again"))
+    assert len(begun) == 1, "begun twice"
+
+    began_itself = StepTimeRecorder(run_dir)  # the fit began it at its start (nothing resumed here: no event)
+    strategy.broadcast = lambda value: value
+    began_itself.on_train_start(trainer, strategy.lightning_module)
+    began_itself.on_exception(trainer, strategy.lightning_module, RuntimeError("Connection closed by peer"))
+    assert len(begun) == 1, "begun after the fit settled it"

@@ -21,7 +21,8 @@ Once the steady steps after an event with downtime are done, rank 0 reports its 
 
 After a restart-path resume (see :mod:`lightning_emig.strategy.resume`) it also begins, when the fit starts, the
 ``restart`` change that the strategy records at the first step on the new world (or, if a failure ends the fit
-before it, at once with no downtime; see :mod:`lightning_emig.change.record`): the checkpoint step, the steps rolled
+before it, at once with no downtime; see :mod:`lightning_emig.change.record`; a failure before the fit began it, in
+its setup or its restore, begins it then: :meth:`StepTimeRecorder.on_exception`): the checkpoint step, the steps rolled
 back (done on the old world after that checkpoint, recomputed now), old and new world and layout, the downtime and
 its phases (``stop_and_start``: last old step to this process's start; ``startup``: start to checkpoint load;
 ``load``: reading and resharding the checkpoint; ``first_step``: load to the first step's end).
@@ -96,6 +97,8 @@ class StepTimeRecorder(Callback):
         """Published events (lines of ``events.jsonl``) whose lost time is not known yet."""
         self._write_failed = False
         self._parts = _StepParts()
+        self._restart_settled = False
+        """The restart change of the first fit was begun, or found to be none (see :meth:`on_exception`)."""
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -201,12 +204,32 @@ class StepTimeRecorder(Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
 
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # A failure ended a restart's fit before its ``restart`` change was begun (in its setup, or while the
+        # checkpoint was being restored): the restart happened all the same (its processes formed the new world),
+        # so every rank begins it now, from the files rank 0 would have read; the survivors record it, with no
+        # downtime, before the failure's event, whose old world it made.
+        strategy: Any = trainer.strategy
+        if self._restart_settled or getattr(strategy, "start_reason", None) is None:
+            return
+        self._restart_settled = True
+        if not hasattr(strategy, "begin_restart_event"):
+            return
+        records = read_step_times(self.run_dir)
+        restart = _restart_change(strategy, self.run_dir, records[-1] if records else None, strategy.resumed_from)
+        if restart is not None:
+            record, last_step_wall, in_place_wall = restart
+            strategy.begin_restart_event(record, last_step_wall=last_step_wall, in_place_wall=in_place_wall)
+
     def _begin_restart(self, trainer: pl.Trainer) -> None:
         strategy: Any = trainer.strategy
+        self._restart_settled = True
         # Alike on every rank: the first fit of a worker group that torchrun's restart path started.
         if getattr(strategy, "start_reason", None) is None or not hasattr(strategy, "begin_restart_event"):
             return
-        restart = self._restart(strategy) if trainer.global_rank == 0 else None
+        restart = (_restart_change(strategy, self.run_dir, self._previous, strategy.resumed_from, announce=True)
+                   if trainer.global_rank == 0 else None)
         # Every rank holds the event until the first step: a failure before it leaves a survivor to record it.
         restart = strategy.broadcast(restart)
         strategy.resumed_from = None  # used: a later fit of this process is no restart
@@ -214,29 +237,39 @@ class StepTimeRecorder(Callback):
             record, last_step_wall, in_place_wall = restart
             strategy.begin_restart_event(record, last_step_wall=last_step_wall, in_place_wall=in_place_wall)
 
-    def _restart(self, strategy: Any) -> tuple[ChangeRecord, float, float] | None:
-        """Rank 0: the ``restart`` change this fit resumed with, the wall time of the last step before it and of the
-        state in place; None if it resumed nothing or nothing was trained before."""
-        resumed, previous = strategy.resumed_from, self._previous
-        if resumed is None or resumed.restart_reason is None or previous is None:
-            return None
-        started = process_start_wall()
-        in_place_wall = resumed.load_started + resumed.load_seconds
-        seconds = {
-            "stop_and_start": started - previous["time"],
-            "startup": resumed.load_started - started,
-            "load": resumed.load_seconds,
-        }
-        rolled_back = int(previous["step"]) - resumed.step
+
+def _restart_change(strategy: Any, run_dir: Path, previous: dict[str, Any] | None, resumed: Any, *,
+                    announce: bool = False) -> tuple[ChangeRecord, float, float] | None:
+    """The ``restart`` change a fit resumed with (``resumed``: its :class:`ResumedCheckpoint`, None if the restore
+    never happened: then the newest complete checkpoint, the one it was restoring), the wall time of the last step
+    before it (``previous``: the last line of ``step_times.jsonl``) and of the state in place; None if the fit
+    resumed nothing or nothing was trained before. ``announce``: log it (rank 0, at the fit's start)."""
+    if previous is None or (resumed is not None and resumed.restart_reason is None):
+        return None
+    started = process_start_wall()
+    if resumed is None:  # cut short before the restore: nothing was loaded, no load time
+        from lightning_emig.strategy.resume import newest_checkpoint
+
+        directory = strategy.checkpoint_dir(strategy.lightning_module.trainer)
+        found = newest_checkpoint(directory) if directory is not None else None
+        step, old_world, old_layout = (found.step if found is not None else 0), previous["world"], None
+        load_started, load_seconds = time.time(), 0.0
+    else:
+        step, old_world, old_layout = resumed.step, resumed.old_world, resumed.old_layout
+        load_started, load_seconds = resumed.load_started, resumed.load_seconds
+    in_place_wall = load_started + load_seconds
+    seconds = {"stop_and_start": started - previous["time"], "startup": load_started - started, "load": load_seconds}
+    rolled_back = int(previous["step"]) - step
+    if announce:
         log.warning("RESTART: resumed on world %d from the step-%d checkpoint %.2fs after the last step on world %d; "
-                    "%d step(s) after it are being recomputed", strategy.world_size, resumed.step,
+                    "%d step(s) after it are being recomputed", strategy.world_size, step,
                     in_place_wall - previous["time"], previous["world"], rolled_back)
-        old_world, old_layout = resumed.old_world, resumed.old_layout
-        recorded = read_events(self.run_dir)
-        if recorded:  # the world that held the state last is the one the last change left (e.g. a failure's)
-            old_world, old_layout = recorded[-1]["new_world"], recorded[-1]["new_layout"]
-        record = ChangeRecord(
-            kind="restart", step=resumed.step, old_layout=HybridLayout(**old_layout), new_layout=strategy.layout,
-            old_world=old_world, new_world=strategy.world_size, seconds=seconds, steps_rolled_back=rolled_back,
-        )
-        return record, float(previous["time"]), in_place_wall
+    recorded = read_events(run_dir)
+    if recorded:  # the world that held the state last is the one the last change left (e.g. a failure's)
+        old_world, old_layout = recorded[-1]["new_world"], recorded[-1]["new_layout"]
+    record = ChangeRecord(
+        kind="restart", step=step,
+        old_layout=strategy.layout if old_layout is None else HybridLayout(**old_layout), new_layout=strategy.layout,
+        old_world=int(old_world), new_world=strategy.world_size, seconds=seconds, steps_rolled_back=rolled_back,
+    )
+    return record, float(previous["time"]), in_place_wall
