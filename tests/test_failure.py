@@ -501,6 +501,53 @@ def test_when_every_holder_of_the_live_state_is_gone_the_next_generation_resumes
     check_ledger_after_rollback(run.run_dir, events)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_worker_that_dies_while_a_fresh_generation_forms_its_groups_restarts_the_job_without_a_wait(
+        tmp_path: Path) -> None:
+    """The chaos schedule's hang: A, B and C start the job (``--nnodes=3:4``); C's worker dies right before its
+    layout's mesh is built, while A's and B's build theirs, a gloo connection to C that would wait for the group's
+    timeout (``trainer.pg_timeout_s=600``: longer than this test may run). Nobody holds live state yet: A's and B's
+    death watches end their workers with the no-holders code at once, their agents mark them gone and restart them
+    without spending a restart (``--max-restarts=1``, spent by C), C's agent finds nobody holding the state (not
+    waiting for workers that look still starting up), and the three nodes train from step 0 to the end on the
+    uninterrupted run's loss curve."""
+    from lightning_emig.testing.held_train import ENV_DIE_BEFORE_MESH
+    from lightning_emig.testing.nodes import reference_losses
+
+    steps = 12
+    args = [*_args(steps, []), "trainer.pg_timeout_s=600"]
+    start_reference(tmp_path, _args(steps, []))
+    port, run_dir, agents = free_port(), tmp_path / "run", {}
+    try:
+        for name in "abc":
+            env = {ENV_DIE_BEFORE_MESH: str(tmp_path / "c-died")} if name == "c" else {}
+            agents[name] = start_node(
+                tmp_path, name, local_addr=ADDRESSES_4[name], port=port, run_dir=run_dir, nnodes="3:4",
+                rdzv_id="dies-before-mesh", rdzv_conf=f"is_host={str(name == 'a').lower()}", train_args=args,
+                module="lightning_emig.testing.held_train", env=env, max_restarts=1)
+        codes = wait_for_exit(tmp_path, agents, 240)
+    finally:
+        stop_agents(agents)
+    logs = "".join(_log(tmp_path, n, 10**6) for n in "abc")
+    assert codes == {"a": 0, "b": 0, "c": 0}, (codes, logs)
+    assert "dies before its layout's mesh is built" in _log(tmp_path, "c", 10**6), logs
+    # A's and B's workers, which never held anything, are marked gone: C's agent does not wait for them to start up.
+    assert "no worker holds the live state any more" in _log(tmp_path, "c", 10**6), logs
+    for name in "ab":
+        log = _log(tmp_path, name, 10**6)
+        assert "lost a member while this process formed its groups" in log, log
+        assert "nobody holds the live state any more: restarting this node's workers" in log, log
+        assert "WORKER FAILURE" not in log, log  # no restart spent, nothing marked dead
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 3
+    reference = reference_losses(tmp_path, _args(steps, []))
+    worst = max(abs(loss - reference[k]) / abs(reference[k]) for k, loss in summary["step_losses"].items())
+    assert sorted(int(k) for k in summary["step_losses"]) == list(range(steps))
+    assert worst < REL_TOL, f"loss departs from the reference by {worst:.2e}"
+
+
 def check_ledger_after_rollback(run_dir: Path, events: list[dict]) -> None:
     from lightning_emig.testing.ledger import check_ledger
 

@@ -31,6 +31,11 @@ the generation (:func:`~lightning_emig.collective_sockets.interrupt_group_socket
 no socket, and the collective waiting on it would otherwise end only at its timeout. Not for the exit of a node that
 announced its departure (a preempted node's process exits once its state was handed over, and the survivors may still
 use the old groups); its silence does end them.
+A process that is still forming its groups as a generation starts fresh (the job's first start, or a restart from a
+checkpoint: nobody in it holds live state) can be blocked where nothing ends: gloo connecting to the dead peer until
+the group's timeout. A death noticed then ends the process at once with
+:data:`~lightning_emig.launcher.generation.NO_HOLDERS_EXIT_CODE`, as a joiner that finds no holder exits: its agent
+restarts the node's workers without spending a restart, and so do the others', from the newest checkpoint.
 Outside ``lightning-emig-run``, and on torchrun's restart path (its agents mark nothing), the thread sees no mark.
 """
 
@@ -54,6 +59,7 @@ from lightning_emig.collective_sockets import interrupt_group_sockets
 from lightning_emig.launcher.generation import (
     ENV_NODE_ID,
     LAST_DEATH_KEY,
+    NO_HOLDERS_EXIT_CODE,
     control_client_from_env,
     leaving_key,
     node_host,
@@ -90,11 +96,13 @@ class DeathWatch:
 
     def __init__(self, generation: Callable[[], int], *, node_id: str | None = None, client: Any = None,
                  poll_s: float = POLL_S, exits: bool = False, local_rank: int | None = None,
-                 settings: FailureSettings | None = None) -> None:
+                 settings: FailureSettings | None = None, starting_fresh: Callable[[], bool] | None = None) -> None:
         """``exits``: also listen, and watch the member after this one, for a process that exits, a host that stops
         answering or a heartbeat that stops, by ``settings``' timeouts (:mod:`~lightning_emig.membership.exit_watch`);
-        this process is worker ``local_rank`` of ``node_id``."""
+        this process is worker ``local_rank`` of ``node_id``. ``starting_fresh`` says whether the process still forms
+        the groups of a generation that started fresh (a death then ends it: see the module)."""
         self._generation = generation
+        self._starting_fresh = starting_fresh
         self._node_id = node_id or os.environ[ENV_NODE_ID]
         self._client = client if client is not None else control_client_from_env(timeout_s=10.0)
         self._poll_s = poll_s
@@ -170,6 +178,8 @@ class DeathWatch:
                 self._noticed[generation] = (f"node {node_id} of generation {generation} {death.how} (before any "
                                              "collective failed here)")
                 log.error("death watch: %s", self._noticed[generation])
+                if self._starting_fresh is not None and self._starting_fresh():
+                    _exit_holding_nothing(generation)
             # A preempted node's process exits once its state was handed over, and the survivors may still use the old
             # groups (a checkpoint being written): its exit ends nothing. Its silence (frozen, its host gone) does.
             if death.silent or not client.check([leaving_key(node_id)]):
@@ -193,6 +203,17 @@ class DeathWatch:
             self._others[generation] = [(node.node_id, len(node.ranks)) for node in nodes
                                         if node.node_id != self._node_id]
         return self._others[generation]
+
+
+def _exit_holding_nothing(generation: int) -> None:
+    """End this process, which forms the groups of ``generation`` as it starts fresh: a peer is dead, and a gloo
+    connection to it would wait for the group's timeout (see the module)."""
+    log.error("death watch: generation %d lost a member while this process formed its groups, and nobody in it holds "
+              "live state: exiting (code %d) so that every node restarts its workers from the newest complete "
+              "checkpoint", generation, NO_HOLDERS_EXIT_CODE)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(NO_HOLDERS_EXIT_CODE)  # the training thread is blocked inside torch: no exception reaches it
 
 
 @dataclass(frozen=True)
@@ -223,14 +244,14 @@ def _death_of(client: Any, node_id: str, local_ranks: int, generation: int) -> _
 _watching: DeathWatch | None = None
 
 
-def start_death_watch(generation: Callable[[], int], settings: FailureSettings, *, exits: bool = True
-                      ) -> DeathWatch:
+def start_death_watch(generation: Callable[[], int], settings: FailureSettings, *, exits: bool = True,
+                      starting_fresh: Callable[[], bool] | None = None) -> DeathWatch:
     """This process's death watch (idempotent: later calls return the running one); stopped and joined at exit, as
     the heartbeat is (a daemon thread inside a store call at finalization aborts the process). ``exits``:
-    ``elastic.watch_exits``."""
+    ``elastic.watch_exits``; ``starting_fresh``: see :class:`DeathWatch`."""
     global _watching
     if _watching is None:
-        _watching = DeathWatch(generation, exits=exits, settings=settings)
+        _watching = DeathWatch(generation, exits=exits, settings=settings, starting_fresh=starting_fresh)
         atexit.register(_watching.stop)
     return _watching
 

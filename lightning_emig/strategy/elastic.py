@@ -133,6 +133,8 @@ class ElasticMigrationStrategy(HybridLayoutStrategy):
         self.last_boundary: LiveHandoff | None = None
         self.generation = int(os.environ.get(ENV_GENERATION, "0"))
         self.left_job = False
+        self._laid_out = False
+        """This process has had a layout (see :attr:`starting_fresh`)."""
         self._dropped_children: list[str] = []
         self.kept_children: frozenset[str] = frozenset()
 
@@ -143,6 +145,11 @@ class ElasticMigrationStrategy(HybridLayoutStrategy):
         if self.shadow_view.layout_mesh is not None:  # seen by a thread preparing a change only
             return self.shadow_view.layout_mesh
         return super().layout_mesh
+
+    @override
+    def install_mesh(self, layout_mesh: LayoutMesh, plan: BatchPlan) -> None:
+        super().install_mesh(layout_mesh, plan)
+        self._laid_out = True
 
     @property
     def migrating(self) -> bool:
@@ -196,7 +203,8 @@ class ElasticMigrationStrategy(HybridLayoutStrategy):
             start_heartbeat(self.failure_settings.heartbeat_interval_s, self.failure_settings.heartbeat_timeout_s)
             # A peer's death stops this process's compute at once.
             start_death_watch(lambda: self.generation, self.failure_settings,
-                              exits=self.failure_settings.watch_exits and live_membership_from_env())
+                              exits=self.failure_settings.watch_exits and live_membership_from_env(),
+                              starting_fresh=lambda: self.starting_fresh)
         backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
         self.generation = form_generation_group(Arrival(
             generation=self.generation, live_join=self.live_join, handoff=self._incoming.handoff, backend=backend,
@@ -359,6 +367,14 @@ class ElasticMigrationStrategy(HybridLayoutStrategy):
     def live_join(self) -> bool:
         """This fit receives its state from running processes (``fit(ckpt_path="live")``)."""
         return self._incoming.live_join
+
+    @property
+    def starting_fresh(self) -> bool:
+        """This process started with its generation, as every worker of it did (the job's first start, or a restart
+        from a checkpoint: a joiner joins live), and has never had a layout: nobody in the generation holds state
+        that the newest checkpoint does not. (Not :attr:`has_layout`: a failure's recovery drops the layout of a
+        process that trained.)"""
+        return not self._laid_out and not self.live_join
 
     @property
     def awaiting_live_state(self) -> bool:

@@ -39,6 +39,9 @@ race of two membership events in end-to-end tests, so a test hits it on any mach
   generation's group formed and the fit set up, before any state moved — if file ``F`` does not exist yet; it creates
   ``F`` first, so the worker its agent restarts joins normally.
 * ``LIGHTNING_EMIG_TEST_DIE_AFTER_JOIN=F``: the same, right after its live join is done (before its first step).
+* ``LIGHTNING_EMIG_TEST_DIE_BEFORE_MESH=F``: a worker dies (exit 1) right before its layout's mesh is built — after
+  its generation's default group formed, while the others build theirs — if file ``F`` does not exist yet; it
+  creates ``F`` first, so the worker its agent restarts goes on normally.
 * ``LIGHTNING_EMIG_TEST_CORRUPT_REPLICA_AT_STEP=N``: at step ``N`` (once per process) global rank 1 adds 1 to one
   element of its first trainable parameter, right before the consistency guard's periodic check: a replica that
   silently went wrong.
@@ -247,6 +250,26 @@ def die_in_join(marker: str, *, after: bool) -> None:
     incoming.join_live = dying_join_live
 
 
+ENV_DIE_BEFORE_MESH = "LIGHTNING_EMIG_TEST_DIE_BEFORE_MESH"
+
+
+def die_before_mesh(marker: str) -> None:
+    """This node's worker dies as its layout's mesh is about to be built, the first time (see the module)."""
+    from lightning_emig.strategy import hybrid
+
+    build_mesh = hybrid.build_mesh
+
+    def dying_build_mesh(*args: Any, **kwargs: Any) -> Any:
+        if not Path(marker).exists():
+            Path(marker).touch()
+            log.warning("test: this worker dies before its layout's mesh is built")
+            logging.shutdown()
+            os._exit(1)
+        return build_mesh(*args, **kwargs)
+
+    hybrid.build_mesh = dying_build_mesh
+
+
 ENV_CORRUPT_REPLICA_AT_STEP = "LIGHTNING_EMIG_TEST_CORRUPT_REPLICA_AT_STEP"
 
 
@@ -386,6 +409,8 @@ def main() -> None:
     for variable, after in ((ENV_DIE_BEFORE_JOIN, False), (ENV_DIE_AFTER_JOIN, True)):
         if os.environ.get(variable):
             die_in_join(os.environ[variable], after=after)
+    if os.environ.get(ENV_DIE_BEFORE_MESH):
+        die_before_mesh(os.environ[ENV_DIE_BEFORE_MESH])
     corrupt_at = os.environ.get(ENV_CORRUPT_REPLICA_AT_STEP)
     if corrupt_at:
         corrupt_a_replica(int(corrupt_at))
