@@ -173,7 +173,7 @@ def test_a_failure_before_a_restarts_fit_began_its_event_begins_it_from_the_run_
     (run_dir / "step_times.jsonl").write_text(json.dumps({"step": 27, "time": 100.0, "world": 1}) + "\n")
     begun: list[tuple] = []
     strategy = SimpleNamespace(
-        start_reason="torchrun restart #1", resumed_from=None, world_size=3,
+        start_reason="torchrun restart #1", resumed_from=None, world_size=3, has_layout=True,
         layout=HybridLayout(dp_replicate=1, dp_shard=3, tp=1, pp=1),
         checkpoint_dir=lambda _trainer: run_dir / "checkpoints",
         begin_restart_event=lambda record, **walls: begun.append((record, walls)))
@@ -189,8 +189,18 @@ def test_a_failure_before_a_restarts_fit_began_its_event_begins_it_from_the_run_
     recorder.on_exception(trainer, strategy.lightning_module, RuntimeError("again"))
     assert len(begun) == 1, "begun twice"
 
+    def peer_gone(_value: object) -> None:
+        raise RuntimeError("Connection closed by peer")
+
+    cut_in_broadcast = StepTimeRecorder(run_dir)  # the fit's own begin fails in its broadcast: begun on the exception
+    strategy.broadcast = peer_gone
+    with pytest.raises(RuntimeError):
+        cut_in_broadcast.on_train_start(trainer, strategy.lightning_module)
+    cut_in_broadcast.on_exception(trainer, strategy.lightning_module, RuntimeError("Connection closed by peer"))
+    assert len(begun) == 2, begun
+
     began_itself = StepTimeRecorder(run_dir)  # the fit began it at its start (nothing resumed here: no event)
     strategy.broadcast = lambda value: value
     began_itself.on_train_start(trainer, strategy.lightning_module)
     began_itself.on_exception(trainer, strategy.lightning_module, RuntimeError("Connection closed by peer"))
-    assert len(begun) == 1, "begun after the fit settled it"
+    assert len(begun) == 2, "begun after the fit settled it"

@@ -421,14 +421,10 @@ class MembershipAgent(LocalElasticAgent):
         super()._restart_workers(worker_group)  # stop (they exited), rendezvous as a joining node, start
 
     def _restart_without_holders(self, worker_group: WorkerGroup) -> None:
-        """Our joiners found no process holding the live state (:mod:`lightning_emig.membership.admission`), or our
-        workers of a generation that started fresh lost a peer before they had a layout
-        (:mod:`lightning_emig.membership.death_watch`): restart the node's workers as torchrun would. The other
-        agents find no holder either and restart theirs (see ``_restart_workers``), so every node enters the next
-        round the same way and that generation resumes from the newest complete checkpoint. No restart is spent:
-        nothing on this node failed. Our workers are marked gone: a member of a fresh generation that exited before
-        it held anything would otherwise look still starting up, and the agent of the node whose worker died would
-        wait for it (``_wait_for_survivors``)."""
+        """Our joiners found no holder of the live state (:mod:`~lightning_emig.membership.admission`), or workers of
+        a fresh generation lost a peer before their layout (:mod:`~lightning_emig.membership.death_watch`): restart
+        them as torchrun would, no restart spent; the other agents do too, and the next generation resumes from the
+        newest checkpoint. Marked gone: else, never having held, they look still starting up to a dead node's agent."""
         assert self._control is not None
         mark_gone(self._control, self.node_id, range(worker_group.spec.local_world_size))
         logger.error("[%s] nobody holds the live state any more: restarting this node's workers from the newest "

@@ -56,7 +56,7 @@ from lightning_emig.launcher.generation import (
     read_generation,
 )
 from lightning_emig.launcher.leaving import yield_cpu_to_the_job
-from lightning_emig.membership.admission import LeftOutError, NoHoldersError, announce_training_done
+from lightning_emig.membership.admission import LeftOutError, announce_training_done
 from lightning_emig.membership.below_min import below_min, wait_for_enough_nodes
 from lightning_emig.membership.failure import (
     RECOVERY_ATTEMPTS,
@@ -173,13 +173,9 @@ class ElasticFitLauncher(_Launcher):
                     raise LeftOutError from None
                 _end_interrupted_fit(trainer, exc)
                 return self._recover(trainer, exc, held=held)
-            if strategy.starting_fresh:  # nobody in the generation holds live state: every node restarts
-                log.error("generation %d failed before this process had a layout, and nobody in it held live state: "
-                          "exiting so that every node restarts its workers from the newest complete checkpoint (%s)",
-                          strategy.generation, exc)
-                raise NoHoldersError from None
             # A process that failed before it had a layout holds no state: it exits, and its agent treats the
-            # node as failed.
+            # node as failed (spending a restart: an error that repeats must end the job). One whose generation
+            # started fresh and lost a peer is ended by its death watch instead, which spends none.
             if not strategy.has_layout:
                 raise
             _end_interrupted_fit(trainer, exc)

@@ -214,8 +214,8 @@ class StepTimeRecorder(Callback):
         if self._restart_settled or getattr(strategy, "start_reason", None) is None:
             return
         self._restart_settled = True
-        if not hasattr(strategy, "begin_restart_event"):
-            return
+        if not hasattr(strategy, "begin_restart_event") or not getattr(strategy, "has_layout", False):
+            return  # no layout: the process exits (nothing recovers), and the event has no new layout to name
         records = read_step_times(self.run_dir)
         restart = _restart_change(strategy, self.run_dir, records[-1] if records else None, strategy.resumed_from)
         if restart is not None:
@@ -224,14 +224,16 @@ class StepTimeRecorder(Callback):
 
     def _begin_restart(self, trainer: pl.Trainer) -> None:
         strategy: Any = trainer.strategy
-        self._restart_settled = True
         # Alike on every rank: the first fit of a worker group that torchrun's restart path started.
         if getattr(strategy, "start_reason", None) is None or not hasattr(strategy, "begin_restart_event"):
+            self._restart_settled = True
             return
         restart = (_restart_change(strategy, self.run_dir, self._previous, strategy.resumed_from, announce=True)
                    if trainer.global_rank == 0 else None)
-        # Every rank holds the event until the first step: a failure before it leaves a survivor to record it.
+        # Every rank holds the event until the first step: a failure before it leaves a survivor to record it. A
+        # failure in the broadcast itself leaves it to on_exception.
         restart = strategy.broadcast(restart)
+        self._restart_settled = True
         strategy.resumed_from = None  # used: a later fit of this process is no restart
         if restart is not None:
             record, last_step_wall, in_place_wall = restart
