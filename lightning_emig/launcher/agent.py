@@ -16,8 +16,8 @@ Announced preemption: SIGTERM to the agent (or the file named by ``LIGHTNING_EMI
 the way to simulate a notice) does not stop the workers. The agent writes ``leaving/<node_id>`` with a deadline
 ``LIGHTNING_EMIG_GRACE_S`` seconds away (default 60) into the control store and keeps monitoring: the workers
 hand their state to the survivors at the next step boundary and exit 0; the agent then leaves the rendezvous
-without closing it and without the exit barrier (the survivors' agents count only the nodes of the newest
-generation at theirs). A node with notice takes part in no further rendezvous round: nodes that join meanwhile
+without closing it and without the exit barrier (the others wait only for the nodes still in the job:
+:mod:`~lightning_emig.launcher.exit_barrier`). A node with notice takes part in no further rendezvous round: nodes that join meanwhile
 form the next generation without it. A second SIGTERM is torchrun's SIGTERM: workers are killed, and for the
 survivors it is an abrupt failure. A grace period that runs out stops the workers too (marked dead for the survivors),
 and the node leaves with exit 0 like any preempted node, whatever its workers were doing. Without live membership
@@ -67,6 +67,7 @@ from lightning_emig.launcher.control_store import (
     find_tcp_store,
     open_control_store,
 )
+from lightning_emig.launcher.exit_barrier import wait_at_exit
 from lightning_emig.launcher.generation import (
     ACTIVE_GENERATION_KEY,
     ENV_AGENT_PID,
@@ -82,7 +83,6 @@ from lightning_emig.launcher.generation import (
     leaving_key,
     live_membership_from_env,
     make_node_id,
-    nodes_in_latest_generation,
     publish_generation,
     raise_key,
     read_generation,
@@ -471,17 +471,12 @@ class MembershipAgent(LocalElasticAgent):
             logger.warning("[%s] workers handed off their state and exited; leaving the job (niceness %d)",
                            self.node_id, niceness)
             return
-        nodes = nodes_in_latest_generation(self._control) if self._control is not None else None
-        if nodes is None or nodes == self._worker_group.group_world_size:
+        if self._control is None:
             super()._exit_barrier()
             return
-        # Nodes left with notice since our last rendezvous round: wait only for the nodes still in the job.
-        from torch.distributed.elastic.utils import store as store_util
-
-        logger.info("waiting at the exit barrier for the %d node(s) of the newest generation", nodes)
-        try:
-            store_util.barrier(store=self._store, world_size=nodes, key_prefix=f"lightning_emig/exit/{self.generation}",
-                               barrier_timeout=self._exit_barrier_timeout)
+        logger.info("waiting at the exit barrier for the nodes of the newest generation still in the job")
+        try:  # not torch's: it waits for every node of the last round, also one that left since (launcher.exit_barrier)
+            wait_at_exit(self._store, self._control, self.generation, timeout_s=self._exit_barrier_timeout)
         except SignalException:
             raise
         except Exception:

@@ -379,16 +379,6 @@ def generation_going_on_without(client: Store, node_id: str) -> int | None:
     return None
 
 
-def nodes_in_latest_generation(client: Store) -> int | None:
-    """How many nodes the newest generation has; None when none is published or the store is gone (at the very end
-    of a job the agent hosting it may have exited)."""
-    try:
-        latest = latest_generation(client)
-        return len(read_generation(client, latest).nodes) if latest >= 0 else None
-    except Exception:  # noqa: BLE001 - whatever the store raises as it goes away
-        return None
-
-
 def wait_for_generation(client: Store, newer_than: int, *, timeout_s: float, poll_s: float = 0.2) -> int:
     """Poll until a generation newer than ``newer_than`` is published; return its number."""
     deadline = time.monotonic() + timeout_s
