@@ -181,3 +181,25 @@ def test_a_death_noticed_ends_the_generations_collectives_unless_a_node_that_ann
         assert interrupted == [first, second]
     finally:
         other.stop()
+
+
+def test_a_dead_mark_from_before_the_generation_the_node_rejoined_is_history() -> None:
+    """Node b was marked dead in an earlier generation and rejoined; its agent deletes the mark once in the new round,
+    but the others' workers may start first: the mark does not make them take b for dead (a fresh worker would exit,
+    and every node restart, for nothing). A mark written in the watched generation counts."""
+    store = dist.HashStore()
+    _publish(store, {"a": 0, "b": 1})
+    generation = _publish(store, {"a": 0, "b": 1})
+    watch = DeathWatch(lambda: generation, node_id="a", client=store, poll_s=3600.0)  # polled by hand here
+    try:
+        store.set(dead_key("b"), json.dumps({"time": time.time(), "generation": generation - 1}))
+        store.set(LAST_DEATH_KEY, json.dumps({"node_id": "b", "time": time.time()}))
+        watch.look()
+        watch.raise_if_noticed()
+        _mark_dead(store, "b")  # now, in the generation watched
+        store.set(dead_key("b"), json.dumps({"time": time.time(), "generation": generation}))
+        watch.look()
+        with pytest.raises(PeerDeathNoticed, match="node b of generation"):
+            watch.raise_if_noticed()
+    finally:
+        watch.stop()

@@ -225,9 +225,11 @@ class _Death:
 
 
 def _death_of(client: Any, node_id: str, local_ranks: int, generation: int) -> _Death | None:
-    """How a node is known dead — its agent's mark, or a worker's process seen gone — or None."""
+    """How a node is known dead — its agent's mark, or a worker's process seen gone — or None. A mark its agent
+    wrote in a generation before ``generation`` is history: the node is in ``generation``, so it rejoined since (its
+    agent deletes the mark then, but another agent's workers may start first)."""
     mark = read_dead_mark(client, node_id)
-    if mark is not None:
+    if mark is not None and int(mark.get("generation", generation)) >= generation:
         marked = mark.get("time")
         after = "" if marked is None else f", noticed {max(0.0, time.time() - float(marked)):.2f}s after its mark"
         return _Death(f"was marked dead by its agent (a worker of it died{after})", silent=False)
