@@ -516,7 +516,7 @@ def test_a_worker_that_dies_while_a_fresh_generation_forms_its_groups_restarts_t
     from lightning_emig.testing.held_train import ENV_DIE_BEFORE_MESH
     from lightning_emig.testing.nodes import reference_losses
 
-    steps = 12
+    steps = 6
     args = [*_args(steps, []), "trainer.pg_timeout_s=600"]
     start_reference(tmp_path, _args(steps, []))
     port, run_dir, agents = free_port(), tmp_path / "run", {}

@@ -39,6 +39,9 @@ def _relative_gap(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
+# The four layouts' gradients equal one process's in tests/test_parallel_parity.py, and Trainer-level parity over
+# steps, epochs and optimizers is tests/test_lightning_parity.py's table: this whole-curve check runs by hand.
+@pytest.mark.long
 def test_four_layouts_follow_the_single_process_loss_curve(tmp_path: Path) -> None:
     reference = run_distributed(_train, 1, [{}], str(tmp_path / "single"), timeout_s=240)[0][0]
     assert len(reference) == STEPS
