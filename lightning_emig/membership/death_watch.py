@@ -42,6 +42,7 @@ Outside ``lightning-emig-run``, and on torchrun's restart path (its agents mark 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import threading
@@ -66,6 +67,7 @@ from lightning_emig.launcher.generation import (
     read_dead_mark,
     read_generation,
 )
+from lightning_emig.launcher.heartbeat import mark_gone
 from lightning_emig.membership.exit_watch import (
     ExitListener,
     ExitWatch,
@@ -179,7 +181,7 @@ class DeathWatch:
                                              "collective failed here)")
                 log.error("death watch: %s", self._noticed[generation])
                 if self._starting_fresh is not None and self._starting_fresh():
-                    _exit_holding_nothing(generation)
+                    _exit_holding_nothing(client, self._node_id, generation)
             # A preempted node's process exits once its state was handed over, and the survivors may still use the old
             # groups (a checkpoint being written): its exit ends nothing. Its silence (frozen, its host gone) does.
             if death.silent or not client.check([leaving_key(node_id)]):
@@ -205,9 +207,14 @@ class DeathWatch:
         return self._others[generation]
 
 
-def _exit_holding_nothing(generation: int) -> None:
+def _exit_holding_nothing(client: Any, node_id: str, generation: int) -> None:
     """End this process, which forms the groups of ``generation`` as it starts fresh: a peer is dead, and a gloo
-    connection to it would wait for the group's timeout (see the module)."""
+    connection to it would wait for the group's timeout (see the module). It marks itself gone first: its agent may be
+    in a rendezvous round, not watching its workers, while the dead node's agent waits for every member that could
+    still hold the state (one never having held looks still starting up)."""
+    with contextlib.suppress(Exception):  # the store may be gone too: the exit matters, not the mark
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        mark_gone(client, node_id, range(local_rank, local_rank + 1))
     log.error("death watch: generation %d lost a member while this process formed its groups, and nobody in it holds "
               "live state: exiting (code %d) so that every node restarts its workers from the newest complete "
               "checkpoint", generation, NO_HOLDERS_EXIT_CODE)
