@@ -108,10 +108,11 @@ class DeathWatch:
         self._node_id = node_id or os.environ[ENV_NODE_ID]
         self._client = client if client is not None else control_client_from_env(timeout_s=10.0)
         self._poll_s = poll_s
+        self._local_rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
+        local_rank = self._local_rank
         self._listener: ExitListener | None = None
         self._exits: ExitWatch | None = None
         if exits:
-            local_rank = int(os.environ["LOCAL_RANK"]) if local_rank is None else local_rank
             self._listener = ExitListener(self._client, self._node_id, local_rank, node_host(self._node_id))
             settings = settings or FailureSettings()
             self._exits = ExitWatch(self._client, self._node_id, local_rank,
@@ -181,7 +182,7 @@ class DeathWatch:
                                              "collective failed here)")
                 log.error("death watch: %s", self._noticed[generation])
                 if self._starting_fresh is not None and self._starting_fresh():
-                    _exit_holding_nothing(client, self._node_id, generation)
+                    _exit_holding_nothing(client, self._node_id, self._local_rank, generation)
             # A preempted node's process exits once its state was handed over, and the survivors may still use the old
             # groups (a checkpoint being written): its exit ends nothing. Its silence (frozen, its host gone) does.
             if death.silent or not client.check([leaving_key(node_id)]):
@@ -207,13 +208,12 @@ class DeathWatch:
         return self._others[generation]
 
 
-def _exit_holding_nothing(client: Any, node_id: str, generation: int) -> None:
+def _exit_holding_nothing(client: Any, node_id: str, local_rank: int, generation: int) -> None:
     """End this process, which forms the groups of ``generation`` as it starts fresh: a peer is dead, and a gloo
     connection to it would wait for the group's timeout (see the module). It marks itself gone first: its agent may be
     in a rendezvous round, not watching its workers, while the dead node's agent waits for every member that could
     still hold the state (one never having held looks still starting up)."""
     with contextlib.suppress(Exception):  # the store may be gone too: the exit matters, not the mark
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         mark_gone(client, node_id, range(local_rank, local_rank + 1))
     log.error("death watch: generation %d lost a member while this process formed its groups, and nobody in it holds "
               "live state: exiting (code %d) so that every node restarts its workers from the newest complete "

@@ -228,8 +228,11 @@ class StepTimeRecorder(Callback):
         if getattr(strategy, "start_reason", None) is None or not hasattr(strategy, "begin_restart_event"):
             self._restart_settled = True
             return
-        restart = (_restart_change(strategy, self.run_dir, self._previous, strategy.resumed_from, announce=True)
-                   if trainer.global_rank == 0 else None)
+        # At the fit's start the restore has run: nothing resumed means no restart to record (the newest-checkpoint
+        # reading of _restart_change is for a fit a failure cut short before it, on_exception).
+        resumed = strategy.resumed_from
+        restart = (_restart_change(strategy, self.run_dir, self._previous, resumed, announce=True)
+                   if trainer.global_rank == 0 and resumed is not None else None)
         # Every rank holds the event until the first step: a failure before it leaves a survivor to record it. A
         # failure in the broadcast itself leaves it to on_exception.
         restart = strategy.broadcast(restart)
