@@ -10,43 +10,51 @@ when a torch upgrade moves it (``tests/test_launcher.py`` pins it too).
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is set unless the caller set it: with torch 2.13's shared store, a
 re-rendezvous with several agents deadlocks. With it set, the rank-0 agent picks a free port and the
 generation's global rank-0 *worker* hosts the workers' TCPStore there.
+
+A preemption notice (SIGTERM) can reach a node's launcher while it is still starting (importing torch takes a
+second or two): before the agent's own handler is in place, the launcher leaves with exit 0 — it joined nothing and
+holds nothing — instead of dying by the signal. So the module imports torch only inside :func:`main`, once that
+handler is set, and the package's ``__init__`` imports nothing heavy.
 """
+
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Iterator, Sequence
-
-import torch.distributed.launcher.api as launcher_api
-import torch.distributed.run as torch_run
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-
-from lightning_emig.launcher.agent import MembershipAgent
-from lightning_emig.launcher.control_store import ENV_RDZV_ENDPOINT
+from typing import Any
 
 SEAM = "torch.distributed.launcher.api.LocalElasticAgent"
 
 
 @contextlib.contextmanager
-def install_agent(agent_cls: type[LocalElasticAgent] = MembershipAgent) -> Iterator[None]:
-    """Make torchrun's ``launch_agent`` build ``agent_cls`` while the block runs."""
+def install_agent(agent_cls: Any = None) -> Iterator[None]:
+    """Make torchrun's ``launch_agent`` build ``agent_cls`` (default: :class:`MembershipAgent`) while the block
+    runs."""
+    import torch.distributed.launcher.api as launcher_api
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from lightning_emig.launcher.agent import MembershipAgent
+
     current = getattr(launcher_api, "LocalElasticAgent", None)
-    if current is not LocalElasticAgent or "LocalElasticAgent(" not in _launch_agent_source():
+    if current is not LocalElasticAgent or "LocalElasticAgent(" not in _launch_agent_source(launcher_api):
         raise RuntimeError(
             f"{SEAM} is no longer the class launch_agent instantiates in this torch; "
             "lightning-emig-run must be adapted to the new launcher"
         )
-    launcher_api.LocalElasticAgent = agent_cls
+    launcher_api.LocalElasticAgent = MembershipAgent if agent_cls is None else agent_cls
     try:
         yield
     finally:
         launcher_api.LocalElasticAgent = current
 
 
-def _launch_agent_source() -> str:
+def _launch_agent_source(launcher_api: Any) -> str:
     import inspect
 
     try:
@@ -69,6 +77,10 @@ def _show_launcher_log() -> None:
 def check_arguments(argv: Sequence[str] | None) -> None:
     """Refuse ``--nnodes`` that cannot hold a job's state (torch's own check is a bare assertion); tell the agent the
     rendezvous endpoint (with etcd-v2 it is also the control store)."""
+    import torch.distributed.run as torch_run
+
+    from lightning_emig.launcher.control_store import ENV_RDZV_ENDPOINT
+
     args = torch_run.parse_args(None if argv is None else list(argv))
     os.environ[ENV_RDZV_ENDPOINT] = args.rdzv_endpoint or ""
     try:
@@ -83,12 +95,36 @@ def check_arguments(argv: Sequence[str] | None) -> None:
         )
 
 
+@contextlib.contextmanager
+def _leaving_on_an_early_notice() -> Iterator[None]:
+    """Until the agent's own handler replaces it (first thing in its ``run``), SIGTERM ends this launcher with exit 0:
+    it is in no rendezvous round yet, so it has nothing to hand off and nobody to tell. The handler it found is put
+    back when ``main`` returns (it may run inside another program, e.g. a test)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def leave(signum: int, frame: Any) -> None:
+        os.write(2, b"[lightning-emig-run] preemption notice (SIGTERM) while the launcher was starting: it joined "
+                    b"nothing and holds nothing; leaving (exit 0)\n")
+        os._exit(0)  # in the middle of an import, perhaps: nothing here needs to run on the way out
+
+    previous = signal.signal(signal.SIGTERM, leave)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    check_arguments(argv)
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    _show_launcher_log()
-    with install_agent():
-        torch_run.main(None if argv is None else list(argv))
+    with _leaving_on_an_early_notice():
+        check_arguments(argv)
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        _show_launcher_log()
+        import torch.distributed.run as torch_run
+
+        with install_agent():
+            torch_run.main(None if argv is None else list(argv))
 
 
 if __name__ == "__main__":

@@ -280,6 +280,37 @@ def test_main_runs_torchruns_own_cli_with_our_agent(monkeypatch: pytest.MonkeyPa
     assert torch_run.get_args_parser().parse_args(["--nnodes=1:2", "x.py"]).nnodes == "1:2"
 
 
+def _catches_sigterm(pid: int) -> bool:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+    return False
+
+
+def test_a_notice_while_the_launcher_starts_ends_it_with_exit_0(tmp_path: Path) -> None:
+    """SIGTERM as soon as the launcher handles it, while it still imports torch (a node preempted right after it
+    started): exit 0, not death by the signal. Before, nothing handled SIGTERM until the agent ran, a second or two
+    in, and the launcher died with -15 (chaos seed 6: a node preempted 0.7 s after it joined)."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "lightning_emig.run", "--standalone", "--nproc-per-node=1", "--local-addr=127.0.0.1",
+         "-m", "lightning_emig.testing.membership_worker"],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not _catches_sigterm(process.pid):
+            assert process.poll() is None and time.monotonic() < deadline, "the launcher never handled SIGTERM"
+            time.sleep(0.002)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, stderr
+    assert "SIGTERM) while the launcher was starting" in stderr, stderr
+
+
 # --- two simulated nodes: a live join --------------------------------------------------------------
 
 
