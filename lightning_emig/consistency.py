@@ -19,6 +19,7 @@ trains on while the others stop.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_emig.layout import HybridLayout
-from lightning_emig.migration.digest import digest_sums
+from lightning_emig.migration.digest import DIGEST_VERSION, combined, digest_sums
 from lightning_emig.migration.state import StateTensor
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,9 @@ class StateProof:
     tensors: dict[str, int] | None = None
     """Each tensor's own digest (unsigned), by state key: where two proofs' digests differ, the tensors that do
     (None in proofs saved before they were recorded)."""
+    digest_version: int = 1
+    """The digest's definition (:data:`~lightning_emig.migration.digest.DIGEST_VERSION`; 1 in proofs saved before
+    it was recorded): digests of different versions do not compare."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -192,16 +196,17 @@ class ProofInFlight:
                                    f"{dist.get_world_size()}")
             dist.all_reduce(sums)
         slots, per_tensor = sums[:len(slots)], sums[len(slots):]
-        digests = sorted({_unsigned(v) for v in slots.tolist()})
+        digests = sorted(set(combined(slots)))
         if len(digests) > 1:
             raise InconsistentStateError(
                 f"INCONSISTENT STATE {self.when} at step {self.step}: replicas of the training state differ "
                 f"({len(digests)} different digests over the {len(slots)} replica slots of {self.layout.describe()})"
             )
-        tensors = ({key: _unsigned(v) for key, v in zip(self.keys, per_tensor.tolist(), strict=True)}
+        tensors = (dict(zip(self.keys, combined(per_tensor), strict=True))
                    if self.same_keys else None)  # pipeline stages: each holds its own tensors, the whole digest only
         return StateProof(step=self.step, data_offset=self.data_offset, generation=self.generation,
-                          layout=self.layout.describe(), digest=digests[0], tensors=tensors)
+                          layout=self.layout.describe(), digest=digests[0], tensors=tensors,
+                          digest_version=DIGEST_VERSION)
 
     def abandon(self) -> None:
         """Never to be completed (the fit failed, the world broke): wait until the thread reads the state no more,
@@ -226,7 +231,13 @@ def settle_handoff_proof(metadata: dict[str, Any]) -> float:
 
 def check_same_state(before: StateProof, after: StateProof, *, what: str) -> None:
     """``what`` (a change, a restore) kept the state: same step, same digest, and the same data offset where both
-    know one (a checkpoint saved after ``fit`` returned has no data stream attached: ``-1``)."""
+    know one (a checkpoint saved after ``fit`` returned has no data stream attached: ``-1``). A proof whose digest an
+    earlier release took (another definition) is compared on its step and data offset only, with a warning."""
+    if before.digest_version != after.digest_version:
+        log.warning("the proof of the state before %s was taken by another release's digest (version %d, now %d): "
+                    "its step and data offset are checked, its values are not", what, before.digest_version,
+                    after.digest_version)
+        after = dataclasses.replace(after, digest=before.digest, tensors=before.tensors)
     offsets_known = before.data_offset >= 0 and after.data_offset >= 0
     if (before.step, before.digest) != (after.step, after.digest) or (
             offsets_known and before.data_offset != after.data_offset):
@@ -254,7 +265,3 @@ def _keys_code(keys: list[str]) -> int:
 
 def _layout_code(layout: HybridLayout) -> int:
     return zlib.crc32(layout.describe().encode())
-
-
-def _unsigned(value: int) -> int:
-    return value & 0xFFFF_FFFF_FFFF_FFFF

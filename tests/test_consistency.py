@@ -6,6 +6,7 @@ with one element. The guard refuses a world whose ranks disagree on the step, or
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 import threading
@@ -173,7 +174,7 @@ def _scalar_state(values: list[float]) -> dict[str, StateTensor]:
 
 
 def _digest(values: list[float]) -> int:
-    return int(replica_slots(_scalar_state(values), HybridLayout().resolve(1), 0, "cpu")[0])
+    return digest.combined(replica_slots(_scalar_state(values), HybridLayout().resolve(1), 0, "cpu"))[0]
 
 
 def test_the_digest_sees_a_swap_and_the_sign_of_zero() -> None:
@@ -182,33 +183,59 @@ def test_the_digest_sees_a_swap_and_the_sign_of_zero() -> None:
     assert _digest([0.0, 1.0]) != _digest([-0.0, 1.0])
 
 
-def _weighted_bits(region: torch.Tensor, box_starts: tuple[int, ...], global_shape: tuple[int, ...],
-                   salt: int) -> int:
-    """The digest's definition, element by element: bits x (2 * (global flat index + salt) + 1), modulo 2**64."""
-    if region.dtype == torch.complex128:
-        halves = torch.view_as_real(region).contiguous().view(torch.int64)
-        bits = (halves[..., 0] * 3 + halves[..., 1]).tolist()
-    else:
-        as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[region.element_size()]
-        bits = region.contiguous().view(torch.uint8 if region.dtype == torch.bool else as_int).tolist()
-    total = 0
-    for position in itertools.product(*(range(n) for n in region.shape)):
+def test_a_proof_an_earlier_release_saved_is_checked_on_its_step_only(caplog: pytest.LogCaptureFixture) -> None:
+    """A checkpoint's proof from before the two-halves digest (no ``digest_version``: 1) holds another number for the
+    same state: it is compared on step and data offset, with a warning, never refused for its digest (a refused
+    checkpoint is never resumed from again)."""
+    saved = StateProof.from_dict({"step": 7, "data_offset": 56, "generation": 2, "layout": "old", "digest": 123})
+    now = StateProof(step=7, data_offset=56, generation=3, layout="new", digest=456,
+                     digest_version=digest.DIGEST_VERSION)
+    assert saved.digest_version == 1 != now.digest_version
+    check_same_state(saved, now, what="the checkpoint's restore")
+    assert "another release's digest" in caplog.text
+    with pytest.raises(InconsistentStateError, match="before it step 7"):
+        check_same_state(saved, StateProof(step=8, data_offset=64, generation=3, layout="new", digest=456,
+                                           digest_version=digest.DIGEST_VERSION), what="the checkpoint's restore")
+    with pytest.raises(InconsistentStateError, match="digest"):
+        check_same_state(dataclasses.replace(saved, digest_version=digest.DIGEST_VERSION), now, what="a change")
+
+
+def _words(region: torch.Tensor) -> list[int]:
+    """The region's 32-bit words in row-major order, the last dim's elements each ``size / 4`` words (the
+    digest's definition), from the bytes themselves."""
+    if region.element_size() < 4:
+        as_int = {1: torch.uint8, 2: torch.int16}[region.element_size()]
+        return region.contiguous().view(torch.uint8 if region.dtype == torch.bool else as_int).flatten().tolist()
+    raw = bytes(region.contiguous().reshape(-1).view(torch.uint8).tolist())
+    return [int.from_bytes(raw[i:i + 4], "little", signed=True) for i in range(0, len(raw), 4)]
+
+
+def _weighted_words(region: torch.Tensor, box_starts: tuple[int, ...], global_shape: tuple[int, ...],
+                    key: str) -> tuple[int, int]:
+    """The digest's two halves of one piece, word by word (module docstring of ``digest``), modulo 2**32."""
+    per_element = max(1, region.element_size() // 4)
+    shape = (*region.shape[:-1], region.shape[-1] * per_element)
+    starts = (*box_starts[:-1], box_starts[-1] * per_element)
+    word_global = (*global_shape[:-1], global_shape[-1] * per_element)
+    salt, seed = digest._salts(key)
+    low = high = 0
+    for word, position in zip(_words(region), itertools.product(*(range(n) for n in shape)), strict=True):
+        global_position = [start + p for start, p in zip(starts, position, strict=True)]
         flat = 0
-        for p, start, length in zip(position, box_starts, global_shape, strict=True):
-            flat = flat * length + start + p
-        element = bits
-        for p in position:
-            element = element[p]
-        total += element * (2 * (flat + salt) + 1)
-    total &= (1 << 64) - 1
-    return total - (1 << 64) if total >= 1 << 63 else total
+        for p, length in zip(global_position, word_global, strict=True):
+            flat = flat * length + p
+        low += word * (2 * (flat + salt) + 1)
+        high += word * (sum((2 * p + 1) * digest._high_multiplier(seed, dim)
+                            for dim, p in enumerate(global_position)) + digest._high_multiplier(seed, -1))
+    return low % 2**32, high % 2**32
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.bool,
                                    torch.uint8, torch.complex128])
 def test_a_pieces_sum_is_the_digests_definition(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sum per piece (reduced per dim, in chunks of rows) equals bits x weight added element by element, for
-    pieces at any offset of a local tensor that is not contiguous, across chunk boundaries."""
+    """The halves per piece (reduced per dim in 32 bits, in chunks of rows) equal the words times their weights added
+    one by one, for pieces at any offset of a local tensor that is not contiguous, across chunk boundaries, with
+    values whose sums wrap around 2**32 many times."""
     monkeypatch.setattr(digest, "_CHUNK_ELEMENTS", 7)
     generator = torch.Generator().manual_seed(0)
     for shape in [(5,), (4, 6), (3, 5, 4), (2, 1, 3, 2)]:
@@ -219,10 +246,9 @@ def test_a_pieces_sum_is_the_digests_definition(dtype: torch.dtype, monkeypatch:
         starts = tuple(int(torch.randint(0, n + 2, (), generator=generator)) for n in shape)
         box = ShardBox(tuple((start, start + n) for start, n in zip(starts, shape, strict=True)))
         piece = LocalPiece(box, starts)
-        salt = digest._salt(f"param/{shape}")
+        key = f"param/{shape}"
         region = local[tuple(slice(start, start + n) for start, n in zip(starts, shape, strict=True))]
-        assert int(digest._piece_sum(local, piece, global_shape, salt)) == _weighted_bits(region, starts,
-                                                                                            global_shape, salt)
+        assert digest._piece_sum(local, piece, global_shape, key) == _weighted_words(region, starts, global_shape, key)
 
 
 # ------------------------------------------------------------------------------------ through the Trainer
