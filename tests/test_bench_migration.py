@@ -38,3 +38,17 @@ def test_the_benchmark_moves_a_state_exactly_and_measures_both_limits_beside_it(
     assert 0.99 * record["old_state_bytes"] < record["bytes_moved"] <= record["old_state_bytes"]
     assert record["bytes_copied"] > 0  # the survivor's own half, copied where the new layout wants it
     assert record["link_limit_seconds"] > 0 and record["host_limit_seconds"] > 0
+
+
+def test_the_benchmarks_measure_the_checkout_on_pythonpath(tmp_path: Path) -> None:
+    """Code measured side by side with the code before it comes from a checkout put on ``PYTHONPATH``: the tools
+    that start agents must import the package from there, not from the checkout they sit in (they put their own
+    first on ``sys.path`` before, so such comparisons measured the same code twice)."""
+    package = tmp_path / "lightning_emig"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise SystemExit('the package on PYTHONPATH was imported')\n")
+    tools = Path(__file__).resolve().parents[1] / "tools"
+    for tool in ("bench_elastic.py", "bench_prepare.py"):
+        result = subprocess.run([sys.executable, str(tools / tool), "--help"], capture_output=True, text=True,
+                                timeout=120, env={**os.environ, "PYTHONPATH": str(tmp_path)}, cwd=tmp_path)
+        assert "the package on PYTHONPATH was imported" in result.stderr, (tool, result.stdout, result.stderr)

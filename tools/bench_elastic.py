@@ -75,7 +75,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+# Last, not first: a checkout put on PYTHONPATH (the code before a change, measured side by side) must be the one
+# imported, and its agents then start from its own directory (lightning_emig.testing.nodes.REPO).
+sys.path.append(str(REPO))
 
 from lightning_emig.testing.departure_downtime import has_path, measure_departure  # noqa: E402
 from lightning_emig.testing.join_downtime import PATHS, measure_join  # noqa: E402

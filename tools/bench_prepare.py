@@ -31,7 +31,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+# Last, not first: a checkout put on PYTHONPATH (the code before a change, measured side by side) must be the one
+# imported, and its agents then start from its own directory (lightning_emig.testing.nodes.REPO).
+sys.path.append(str(REPO))
 
 from lightning_emig.change.lost_time import STEP_TIMES_FILE  # noqa: E402
 from lightning_emig.testing.distributed import run_distributed  # noqa: E402
