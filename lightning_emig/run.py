@@ -17,7 +17,6 @@ holds nothing — instead of dying by the signal. So the module imports torch on
 handler is set, and the package's ``__init__`` imports nothing heavy.
 """
 
-
 from __future__ import annotations
 
 import contextlib

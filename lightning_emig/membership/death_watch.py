@@ -109,13 +109,12 @@ class DeathWatch:
         self._client = client if client is not None else control_client_from_env(timeout_s=10.0)
         self._poll_s = poll_s
         self._local_rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
-        local_rank = self._local_rank
         self._listener: ExitListener | None = None
         self._exits: ExitWatch | None = None
         if exits:
-            self._listener = ExitListener(self._client, self._node_id, local_rank, node_host(self._node_id))
+            self._listener = ExitListener(self._client, self._node_id, self._local_rank, node_host(self._node_id))
             settings = settings or FailureSettings()
-            self._exits = ExitWatch(self._client, self._node_id, local_rank,
+            self._exits = ExitWatch(self._client, self._node_id, self._local_rank,
                                     heartbeat_interval_s=settings.heartbeat_interval_s,
                                     heartbeat_timeout_s=settings.heartbeat_timeout_s,
                                     unreachable_timeout_s=settings.unreachable_timeout_s)

@@ -96,11 +96,12 @@ def digest_sums(state: Mapping[str, StateTensor], layout: HybridLayout, rank: in
         for piece in holding.pieces:
             piece_low, piece_high = _piece_sum(tensor.local, piece, tensor.spec.global_shape, key)
             low, high = low + piece_low, high + piece_high
+        low, high = low & _HALF, high & _HALF
         # per_rank: the first replica's value in every slot (in the digest, never compared)
         for slot in (slots if per_rank else slots[index::len(replicas)]):
             slot[0], slot[1] = (slot[0] + low) & _HALF, (slot[1] + high) & _HALF
-        if index == 0:
-            per_tensor[position] = [(per_tensor[position][0] + low) & _HALF, (per_tensor[position][1] + high) & _HALF]
+        if index == 0:  # each key comes once: its position is written once
+            per_tensor[position] = [low, high]
     return (torch.tensor(slots, dtype=torch.int64, device=device).reshape(-1, 2),
             torch.tensor(per_tensor, dtype=torch.int64, device=device).reshape(-1, 2))
 
